@@ -1,0 +1,165 @@
+"""The offline API: ``LLM(model=DIR, draft=DIR, ...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.checkpoint import CheckpointError
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.model import Qwen3Model
+from engine.sequence import SamplingParams
+from engine.tokenizer import Tokenizer
+from kv.layout import KVLayout, LayoutConfig, decide_layout, split_budget
+from kv.manager import KVCacheManager
+from kv.pool import BufferAllocator, KVPool
+from kv.spec import KVLayerSpec, LayerOwner, make_layer_specs, parse_dtype
+
+DEFAULT_KV_CACHE_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes one engine; validated here, once."""
+
+    model: str
+    draft: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    kv_cache_dtype: str = "auto"             # "auto": the model dtype
+    draft_kv_cache_dtype: str = "auto"       # "auto": the model dtype (never the target's FP8)
+    kv_scale: float = 1.0                    # FP8 target layers' dequantisation scale
+    page_size: int = 16
+    num_pages: int | None = None             # overrides kv_cache_bytes
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    attention_backend: str | None = None     # "torch" | "triton"; None: triton on CUDA, torch on CPU
+    shared_draft_kv: str = "auto"
+    num_spec_tokens: int | None = None       # drafts per step; None: block_size - 1
+    enable_prefix_caching: bool = True
+    num_extra_kv_tokens: int = 0
+
+    def __post_init__(self):
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.attention_backend not in (None, "torch", "triton"):
+            raise ValueError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
+
+    @property
+    def backend(self) -> str:
+        if self.attention_backend:
+            return self.attention_backend
+        return "triton" if torch.device(self.device).type == "cuda" else "torch"
+
+
+def _kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    return model_dtype if name == "auto" else parse_dtype(name)
+
+
+def build_engine(config: EngineConfig, allocate: BufferAllocator | None = None) -> LLMEngine:
+    """Load the target (and drafter), decide the KV layout, size the pools and assemble an engine."""
+    dtype = parse_dtype(config.dtype)
+    if dtype == torch.float8_e4m3fn:
+        raise ValueError("the model dtype cannot be fp8; use kv_cache_dtype for an FP8 KV cache")
+    if not Path(config.model).is_dir():
+        raise CheckpointError(f"model directory {config.model!r} does not exist")
+    model = Qwen3Model.from_pretrained(config.model, device=config.device, dtype=dtype)
+    tokenizer = Tokenizer(config.model) if (Path(config.model) / "tokenizer.json").is_file() else None
+    c = model.config
+    target_dtype = _kv_dtype(config.kv_cache_dtype, dtype)
+    scale = config.kv_scale if target_dtype == torch.float8_e4m3fn else 1.0
+    target_specs = make_layer_specs(LayerOwner.TARGET, c.num_hidden_layers, target_dtype, c.num_key_value_heads,
+                                    c.head_dim, scale)
+    drafter = None
+    draft_specs: list[KVLayerSpec] = []
+    layout: KVLayout | None = None
+    lookahead = config.num_extra_kv_tokens
+    if config.draft is not None:
+        from spec_decode.drafter import DFlashDrafter   # spec_decode builds on engine; imported on demand
+
+        drafter = DFlashDrafter.from_pretrained(config.draft, model, device=config.device, dtype=dtype)
+        draft_dtype = _kv_dtype(config.draft_kv_cache_dtype, dtype)
+        draft_specs = drafter.kv_layer_specs(draft_dtype)
+        layout = decide_layout(config.shared_draft_kv, LayoutConfig(
+            page_size=config.page_size, target_attention_backend=config.backend,
+            draft_attention_backend=config.backend))
+        lookahead = max(lookahead, drafter.block_size)
+    spaces = [target_specs + draft_specs] if (layout is None or layout.unified) else [target_specs, draft_specs]
+    if config.num_pages is not None:
+        pages = [config.num_pages] * len(spaces)
+    else:
+        pages = split_budget(config.kv_cache_bytes, config.page_size, spaces)
+    pools = [KVPool(specs, config.page_size, n, config.device, allocate) for specs, n in zip(spaces, pages)]
+    kv = KVCacheManager(pools, lookahead_tokens=lookahead, enable_prefix_caching=config.enable_prefix_caching,
+                        drafter_in_use=drafter is not None)
+    max_model_len = min(config.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
+    speculator = None
+    if drafter is not None:
+        from spec_decode.dflash import DFlashSpeculator
+
+        speculator = DFlashSpeculator(drafter, kv, config.backend, config.num_spec_tokens)
+    return LLMEngine(model, tokenizer, kv, backend=config.backend, max_num_seqs=config.max_num_seqs,
+                     max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
+                     speculator=speculator, layout=layout)
+
+
+class LLM:
+    """Offline batch generation over one engine."""
+
+    def __init__(self, model: str | Path, **kwargs):
+        self.config = EngineConfig(model=str(model), **{k: (str(v) if k == "draft" and v is not None else v)
+                                                         for k, v in kwargs.items()})
+        self.engine = build_engine(self.config)
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    @property
+    def kv_layout(self) -> KVLayout | None:
+        """The unified/separate decision and its reasons (None without a drafter)."""
+        return self.engine.layout
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer.json; pass token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def generate(self, prompts: Sequence[str | Sequence[int]] | str, params: SamplingParams | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        encoded = [self.encode(p) for p in prompts]
+        engine = self.engine
+        added = []
+        try:
+            for ids in encoded:
+                added.append(engine.add_request(ids, params).request_id)
+        except Exception:
+            for request_id in added:
+                engine.abort(request_id)
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(added), desc="generate", unit="req")
+        while len(results) < len(added):
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [results[request_id] for request_id in added]

@@ -1,0 +1,302 @@
+"""The step loop (schedule -> run -> postprocess) and the offline ``LLM`` API."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from engine.checkpoint import CheckpointError
+from engine.model import Qwen3Model
+from engine.model_runner import ModelRunner, Row
+from engine.sampler import sample
+from engine.scheduler import ScheduledRequest, Scheduler
+from engine.sequence import Request, RequestStatus, SamplingParams, SpecStats
+from engine.tokenizer import Tokenizer
+from kv.layout import KVLayout
+from kv.manager import KVCacheManager
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Proposal:
+    """Drafts for one decode row, and the drafter's distributions over them when sampling (None: greedy)."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None      # [K, V]
+
+
+class Speculator(Protocol):
+    """What the step loop needs from a drafter (spec_decode.DFlashSpeculator implements it)."""
+
+    num_spec_tokens: int
+    capture_layers: tuple[int, ...]
+
+    def propose(self, rows: Sequence[ScheduledRequest]) -> list[Proposal]: ...
+
+    def verify(self, request: Request, proposal: Proposal, target_logits: torch.Tensor) -> list[int]: ...
+
+    def store_context(self, items: Sequence[tuple[Request, int, torch.Tensor]]) -> None: ...
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int = 0
+    spec: SpecStats = field(default_factory=SpecStats)
+    new_token_ids: list[int] = field(default_factory=list)   # tokens added by the last step
+
+    @property
+    def acceptance_lengths(self) -> list[int]:
+        return self.spec.acceptance_lengths
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        return self.spec.mean_acceptance_length
+
+
+class LLMEngine:
+    """One engine instance: a scheduler, a model runner over a KV manager, an optional speculator."""
+
+    def __init__(self, model: Qwen3Model, tokenizer: Tokenizer | None, kv: KVCacheManager, *, backend: str,
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 speculator: Speculator | None = None, layout: KVLayout | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.kv = kv
+        self.layout = layout
+        self.speculator = speculator
+        self.max_model_len = max_model_len
+        self.runner = ModelRunner(model, kv, backend)
+        self.scheduler = Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                   num_spec_tokens=speculator.num_spec_tokens if speculator else 0)
+        eos = set(model.config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.requests: dict[str, Request] = {}
+        self.spec_stats = SpecStats()
+        self._ids = itertools.count()
+
+    # --- requests -------------------------------------------------------------------------------
+    def _validate(self, request_id: str | None, prompt_token_ids: Sequence[int], params: SamplingParams
+                  ) -> tuple[str, list[int]]:
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests or self.kv.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
+                             "(prompt plus at least one generated token)")
+        pages = self.kv.pages_needed(min(len(ids) + params.max_tokens, self.max_model_len))
+        capacity = min(pool.num_pages for pool in self.kv.pools)
+        if pages > capacity:
+            raise ValueError(f"the request needs {pages} KV pages (prompt {len(ids)} + max_tokens "
+                             f"{params.max_tokens}); the pool has {capacity}")
+        return request_id, ids
+
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    request_id: str | None = None, hold_pages: bool = False) -> Request:
+        """Validate and queue a request; bad input raises ValueError and changes nothing.
+
+        ``hold_pages``: keep the pages when the request finishes (a prefill whose KV a decode peer will
+        read); ``release`` frees them.
+        """
+        request_id, ids = self._validate(request_id, prompt_token_ids, params)
+        request = Request(request_id, ids, params, hold_pages=hold_pages)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def reserve_transfer(self, prompt_token_ids: Sequence[int], first_token: int, params: SamplingParams,
+                         request_id: str | None = None) -> Request | None:
+        """Decode side of a disaggregated request: allocate pages for a prompt whose KV a peer computed.
+
+        Returns None (changing nothing) when the pool lacks pages now; the request is not scheduled
+        until ``activate_transfer`` says its KV has landed.
+        """
+        request_id, ids = self._validate(request_id, prompt_token_ids, params)
+        if not 0 <= first_token < self.model.config.vocab_size:
+            raise ValueError(f"first token {first_token} is outside the vocabulary")
+        if not self.kv.allocate_slots(request_id, len(ids) + 1):
+            return None
+        request = Request(request_id, ids, params)
+        request.output_token_ids.append(first_token)
+        self.requests[request_id] = request
+        return request
+
+    def activate_transfer(self, request_id: str, draft_context: bool = True) -> RequestOutput | None:
+        """The transferred KV is in the pages: start decoding (or finish at once if the first token ends it).
+
+        ``draft_context=False``: the draft layers did not travel; they are zeroed, and the drafter starts
+        from that empty context (the ablation).
+        """
+        r = self.requests[request_id]
+        r.num_computed_tokens = r.num_prompt_tokens
+        r.num_draft_context = r.num_prompt_tokens
+        if not draft_context and self.speculator is not None:
+            self.speculator.clear_context(r)
+        r.status = RequestStatus.RUNNING
+        r.first_token_time = time.monotonic()
+        self.scheduler.running.append(r)
+        first = r.output_token_ids.pop()
+        out = self._output(r, self._append(r, [first]))
+        if r.finished:
+            self.requests.pop(request_id, None)
+        else:
+            self.kv.commit(request_id, r.all_token_ids, r.num_computed_tokens,
+                           r.num_draft_context if self.speculator else None)
+        return out
+
+    def release(self, request_id: str) -> None:
+        """Free the held pages of a finished prefill request."""
+        self.requests.pop(request_id, None)
+        self.kv.free(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """End a request wherever it is (queued, running, awaiting its transfer, or held) and free its pages."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        request.hold_pages = False
+        if not request.finished:
+            self._finish(request, "abort")
+        else:
+            self.kv.free(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.scheduler.remove(request, free_pages=not request.hold_pages)
+
+    # --- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns an output for every request that made progress or finished."""
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        try:
+            return self._run(plan.scheduled)
+        except Exception:
+            # A failed forward fails its requests; their pages go back before the error propagates.
+            for item in plan.scheduled:
+                if not item.request.finished:
+                    self._finish(item.request, "error")
+            raise
+
+    def _run(self, scheduled: list[ScheduledRequest]) -> list[RequestOutput]:
+        spec = self.speculator
+        proposals = iter(spec.propose([s for s in scheduled if s.num_spec_tokens]) if spec else ())
+        rows, token_ids, logit_rows, row_proposals, slices = [], [], [], [], []
+        for item in scheduled:
+            r = item.request
+            history = r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + item.num_new_tokens]
+            proposal = next(proposals) if item.num_spec_tokens else None
+            tokens = history + (proposal.tokens if proposal else [])
+            rows.append(Row(r.request_id, r.num_computed_tokens, len(tokens)))
+            if item.completes_history:
+                # Logits of the last history token and of every draft: len(drafts) + 1 verification targets.
+                last = len(token_ids) + len(history) - 1
+                slices.append(slice(len(logit_rows), len(logit_rows) + len(tokens) - len(history) + 1))
+                logit_rows.extend(range(last, len(token_ids) + len(tokens)))
+            else:
+                slices.append(None)
+            token_ids.extend(tokens)
+            row_proposals.append(proposal)
+        logits, captured = self.runner.run(rows, token_ids, logit_rows, spec.capture_layers if spec else ())
+
+        plain = [i for i, item in enumerate(scheduled) if slices[i] is not None and row_proposals[i] is None]
+        plain_tokens = dict(zip(plain, sample(
+            logits[[slices[i].start for i in plain]], [scheduled[i].request.params for i in plain],
+            [scheduled[i].request.generator for i in plain]))) if plain else {}
+
+        outputs, context_items, flat = [], [], 0
+        for i, item in enumerate(scheduled):
+            r, proposal = item.request, row_proposals[i]
+            start = r.num_computed_tokens
+            new_tokens: list[int] = []
+            if proposal is not None:
+                new_tokens = spec.verify(r, proposal, logits[slices[i]])
+                accepted = len(new_tokens) - 1
+                r.spec.record(len(proposal.tokens), accepted)
+                self.spec_stats.record(len(proposal.tokens), accepted)
+            elif slices[i] is not None:
+                new_tokens = [plain_tokens[i]]
+            # Positions whose K/V stay valid: the history computed now plus the accepted drafts; the
+            # rest of the verified block is rolled back by not counting it.
+            computed = item.num_new_tokens + max(0, len(new_tokens) - 1)
+            if captured is not None:
+                context_items.append((r, start, captured[flat:flat + computed]))
+            flat += rows[i].num_tokens
+            r.num_computed_tokens = start + computed
+            if r.first_token_time is None and new_tokens:
+                r.first_token_time = time.monotonic()
+            outputs.append(self._output(r, self._append(r, new_tokens)))
+        if context_items:
+            spec.store_context(context_items)
+        for out in outputs:
+            request = self.requests[out.request_id]
+            if request.finished:
+                if not request.hold_pages:
+                    del self.requests[out.request_id]
+            else:
+                self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens,
+                               request.num_draft_context if spec else None)
+        return outputs
+
+    def _append(self, r: Request, new_tokens: list[int]) -> list[int]:
+        """Append tokens until a stop condition; finish the request when one is met."""
+        appended = []
+        for token in new_tokens:
+            r.output_token_ids.append(token)
+            appended.append(token)
+            reason = None
+            if token in self.eos_token_ids and not r.params.ignore_eos:
+                reason = "stop"
+            elif r.params.stop and self._stop_index(r) is not None:
+                reason = "stop"
+            elif len(r.output_token_ids) >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason:
+                self._finish(r, reason)
+                break
+        # Tokens past a stop were verified but are not output: the cache length never exceeds the history.
+        r.num_computed_tokens = min(r.num_computed_tokens, r.num_tokens - 1)
+        r.num_draft_context = min(r.num_draft_context, r.num_computed_tokens)
+        return appended
+
+    def _stop_index(self, r: Request) -> int | None:
+        if self.tokenizer is None:
+            return None
+        text = self.tokenizer.decode(r.output_token_ids)
+        hits = [text.find(s) for s in r.params.stop if s in text]
+        return min(hits) if hits else None
+
+    def _output(self, r: Request, appended: list[int]) -> RequestOutput:
+        if self.tokenizer is not None:
+            r.output_text = self.tokenizer.decode(r.output_token_ids)
+            cut = self._stop_index(r) if r.params.stop else None
+            if cut is not None:
+                r.output_text = r.output_text[:cut]
+        return RequestOutput(r.request_id, r.prompt_token_ids, list(r.output_token_ids), r.output_text,
+                             r.finished, r.finish_reason, r.num_cached_tokens, r.spec, appended)

@@ -1,0 +1,164 @@
+"""Qwen3 target model over the paged KV cache (RMSNorm, GQA with q/k norm, RoPE, SwiGLU)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionMetadata, paged_attention, store_kv
+from engine.checkpoint import CheckpointError, Qwen3Config, load_tensors, read_config, take
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+class RotaryEmbedding:
+    """Rotate-half RoPE with a cos/sin table precomputed for every position."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int, device, dtype):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+        t = torch.arange(max_positions, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(dtype)
+        self.sin = emb.sin().to(dtype)
+        self.max_positions = max_positions
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim] rotated at ``positions`` [T]."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+@dataclass
+class LayerKV:
+    """One layer's cache views and FP8 scales, as the attention functions take them."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
+@dataclass
+class DecoderLayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor          # [(Hq + 2 Hkv) * D, H]: one matmul for q, k and v
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor      # [2 I, H]
+    down: torch.Tensor
+
+
+def load_decoder_layer(tensors: dict, prefix: str, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                       intermediate: int, source: str) -> DecoderLayerWeights:
+    """The weights of one Qwen3 decoder layer (shared by the target and the DFlash drafter)."""
+    def t(name, shape):
+        return take(tensors, prefix + name, shape, source)
+    q = t("self_attn.q_proj.weight", (heads * head_dim, hidden))
+    k = t("self_attn.k_proj.weight", (kv_heads * head_dim, hidden))
+    v = t("self_attn.v_proj.weight", (kv_heads * head_dim, hidden))
+    gate = t("mlp.gate_proj.weight", (intermediate, hidden))
+    up = t("mlp.up_proj.weight", (intermediate, hidden))
+    return DecoderLayerWeights(
+        input_norm=t("input_layernorm.weight", (hidden,)),
+        qkv=torch.cat([q, k, v], dim=0),
+        q_norm=t("self_attn.q_norm.weight", (head_dim,)),
+        k_norm=t("self_attn.k_norm.weight", (head_dim,)),
+        o=t("self_attn.o_proj.weight", (hidden, heads * head_dim)),
+        post_norm=t("post_attention_layernorm.weight", (hidden,)),
+        gate_up=torch.cat([gate, up], dim=0),
+        down=t("mlp.down_proj.weight", (hidden, intermediate)),
+    )
+
+
+def swiglu_mlp(x: torch.Tensor, w: DecoderLayerWeights) -> torch.Tensor:
+    gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w.down)
+
+
+class Qwen3Model:
+    """The target: embeddings, decoder layers over paged K/V, final norm and LM head."""
+
+    def __init__(self, config: Qwen3Config, tensors: dict[str, torch.Tensor], device, dtype, source: str):
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        c = config
+        self.embed_tokens = take(tensors, "model.embed_tokens.weight", (c.vocab_size, c.hidden_size), source)
+        if c.tie_word_embeddings or "lm_head.weight" not in tensors:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = take(tensors, "lm_head.weight", (c.vocab_size, c.hidden_size), source)
+        self.norm = take(tensors, "model.norm.weight", (c.hidden_size,), source)
+        self.layers = [
+            load_decoder_layer(tensors, f"model.layers.{i}.", c.hidden_size, c.num_attention_heads,
+                               c.num_key_value_heads, c.head_dim, c.intermediate_size, source)
+            for i in range(c.num_hidden_layers)
+        ]
+        self.rope = RotaryEmbedding(c.head_dim, c.rope_theta, c.max_position_embeddings, self.device, dtype)
+        self.scale = c.head_dim ** -0.5
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, device="cpu", dtype: torch.dtype = torch.float32) -> "Qwen3Model":
+        raw = read_config(model_dir)
+        archs = raw.get("architectures") or []
+        if raw.get("model_type") not in (None, "qwen3") and "Qwen3ForCausalLM" not in archs:
+            raise CheckpointError(f"{model_dir}: expected a Qwen3 model, got model_type {raw.get('model_type')!r}")
+        config = Qwen3Config.from_dict(raw, f"{model_dir}/config.json")
+        tensors = load_tensors(model_dir, dtype, device)
+        return cls(config, tensors, device, dtype, str(model_dir))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_tokens)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in float32 from final (un-normed) hidden states."""
+        return F.linear(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+
+    def attention(self, layer: DecoderLayerWeights, x: torch.Tensor, positions: torch.Tensor, kv: LayerKV,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        c = self.config
+        qkv = F.linear(x, layer.qkv)
+        kv_dim = c.num_key_value_heads * c.head_dim
+        q, k, v = qkv.split([c.num_attention_heads * c.head_dim, kv_dim, kv_dim], dim=-1)
+        q = rms_norm(q.unflatten(-1, (c.num_attention_heads, c.head_dim)), layer.q_norm, c.rms_norm_eps)
+        k = rms_norm(k.unflatten(-1, (c.num_key_value_heads, c.head_dim)), layer.k_norm, c.rms_norm_eps)
+        v = v.unflatten(-1, (c.num_key_value_heads, c.head_dim))
+        q = self.rope(q, positions)
+        k = self.rope(k, positions)
+        store_kv(k, v, kv.k_cache, kv.v_cache, meta.slot_mapping, kv.k_scale, kv.v_scale, backend=meta.backend)
+        out = paged_attention(q, kv.k_cache, kv.v_cache, meta, self.scale, kv.k_scale, kv.v_scale)
+        return F.linear(out.flatten(-2), layer.o)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: Sequence[LayerKV],
+                meta: AttentionMetadata, capture_layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run every layer over the flattened batch; returns final hidden states and, if asked,
+        the outputs of ``capture_layers`` concatenated on the feature axis (the drafter's context)."""
+        h = self.embed(input_ids)
+        captured = []
+        wanted = set(capture_layers)
+        eps = self.config.rms_norm_eps
+        for i, layer in enumerate(self.layers):
+            h = h + self.attention(layer, rms_norm(h, layer.input_norm, eps), positions, kv[i], meta)
+            h = h + swiglu_mlp(rms_norm(h, layer.post_norm, eps), layer)
+            if i in wanted:
+                captured.append(h)
+        if capture_layers:
+            order = sorted(wanted)
+            captured = torch.cat([captured[order.index(i)] for i in capture_layers], dim=-1)
+            return h, captured
+        return h, None

@@ -1,0 +1,85 @@
+"""Turns a scheduled step into model inputs (ids, positions, attention metadata) and runs the target."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.model import LayerKV, Qwen3Model
+from kv.manager import KVCacheManager
+from kv.spec import LayerOwner
+
+
+@dataclass(frozen=True)
+class Row:
+    """One sequence's slice of a batch: ``num_tokens`` positions from ``start`` of request ``request_id``."""
+
+    request_id: str
+    start: int
+    num_tokens: int
+
+
+def build_metadata(kv: KVCacheManager, space: int, rows: Sequence[Row], *, causal: bool, backend: str,
+                   device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Positions [T] and attention metadata of ``rows`` over page space ``space``; K/V of every row's
+    positions are stored into that space's pages at their slots."""
+    page_size = kv.page_size
+    tables = [kv.block_table(r.request_id, space) for r in rows]
+    positions, slots, q_lens, seq_lens = [], [], [], []
+    for row, table in zip(rows, tables):
+        end = row.start + row.num_tokens
+        if -(-end // page_size) > len(table):
+            raise RuntimeError(f"request {row.request_id}: positions up to {end} exceed its {len(table)} pages")
+        pos = range(row.start, end)
+        positions.extend(pos)
+        slots.extend(table[p // page_size] * page_size + p % page_size for p in pos)
+        q_lens.append(row.num_tokens)
+        seq_lens.append(end)
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    query_start = torch.zeros(len(rows) + 1, dtype=torch.int32)
+    query_start[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
+    meta = AttentionMetadata(
+        query_start_loc=query_start.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        causal=causal,
+        backend=backend,
+    )
+    return torch.tensor(positions, dtype=torch.int64, device=device), meta
+
+
+class ModelRunner:
+    """Owns the target model and its layers' cache views; one call runs one step's target forward."""
+
+    def __init__(self, model: Qwen3Model, kv: KVCacheManager, backend: str):
+        self.model = model
+        self.kv = kv
+        self.backend = backend
+        self.device = model.device
+        self.target_space = kv.space_of(LayerOwner.TARGET)
+        pool = kv.pools[self.target_space]
+        self.layer_kv = []
+        for i in range(model.config.num_hidden_layers):
+            k, v = pool.kv_views(LayerOwner.TARGET, i)
+            scale = pool.spec(LayerOwner.TARGET, i).scale
+            self.layer_kv.append(LayerKV(k, v, scale, scale))
+
+    @torch.inference_mode()
+    def run(self, rows: Sequence[Row], token_ids: Sequence[int], logit_rows: Sequence[int],
+            capture_layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Target forward over ``rows`` (flattened ``token_ids``); returns float32 logits at the flat
+        indices ``logit_rows`` and the captured hidden states of every token (or None)."""
+        positions, meta = build_metadata(self.kv, self.target_space, rows, causal=True, backend=self.backend,
+                                         device=self.device)
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        hidden, captured = self.model.forward(ids, positions, self.layer_kv, meta, capture_layers)
+        index = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden[index]) if len(logit_rows) else hidden.new_zeros(0)
+        return logits, captured

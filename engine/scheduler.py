@@ -1,0 +1,121 @@
+"""Continuous batching in one token budget: no prefill phase and no decode phase.
+
+Each request has ``num_computed_tokens`` and a target (all its tokens); a step gives each running
+request the tokens it still needs (a prefill chunk, or one token plus the drafts to verify) until the
+budget is spent, then admits waiting requests. When pages run out, the newest running request is
+preempted by recompute: its pages are freed and it waits again at the front of the queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.sequence import Request, RequestStatus
+from kv.manager import KVCacheManager
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int           # tokens from the request's history to compute this step
+    num_spec_tokens: int = 0      # drafts to propose and verify after them (decode rows only)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens \
+            and self.num_new_tokens == 1
+
+    @property
+    def completes_history(self) -> bool:
+        """After this step every history token is computed, so the step samples a new token."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens + s.num_spec_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 num_spec_tokens: int = 0):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 + num_spec_tokens:
+            raise ValueError("max_num_seqs must be >= 1 and max_num_batched_tokens must fit one decode row "
+                             f"with its drafts ({1 + num_spec_tokens} tokens)")
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.num_spec_tokens = num_spec_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, request: Request, free_pages: bool = True) -> None:
+        """Take a request out of the queues and return its pages (finish, abort or failure)."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if free_pages:
+            self.kv.free(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_draft_context = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request not in self.running:      # preempted earlier in this loop
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                decode = request.num_tokens - request.num_computed_tokens == 1
+                spec = min(self.num_spec_tokens, budget - num_new) if decode else 0
+                out.scheduled.append(ScheduledRequest(request, num_new, spec))
+                budget -= num_new + spec
+        if out.preempted:
+            return out       # the pool is full: admit nobody this step
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            prefix = self.kv.probe_prefix(request.all_token_ids) if request.num_computed_tokens == 0 else None
+            cached = prefix.num_tokens if prefix else 0
+            num_new = min(request.num_tokens - cached, budget)
+            if not self.kv.allocate_slots(request.request_id, cached + num_new, prefix):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = cached
+            request.num_draft_context = cached
+            request.num_cached_tokens = cached if request.num_preemptions == 0 else request.num_cached_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            decode = request.num_tokens - cached == 1
+            spec = min(self.num_spec_tokens, budget - num_new) if decode else 0
+            out.scheduled.append(ScheduledRequest(request, num_new, spec))
+            budget -= num_new + spec
+        return out

@@ -1,0 +1,111 @@
+"""DFlash speculation in the step loop: draft blocks from the draft layers, verify, grow the drafter context."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.llm_engine import Proposal
+from engine.model import LayerKV
+from engine.model_runner import Row, build_metadata
+from engine.sampler import probabilities, sample_from
+from engine.scheduler import ScheduledRequest
+from engine.sequence import Request
+from kv.manager import KVCacheManager
+from kv.spec import LayerOwner
+from spec_decode.drafter import DFlashDrafter
+from spec_decode.verify import verify_greedy, verify_sampling
+
+
+class DFlashSpeculator:
+    """Binds a drafter to its draft layers in the KV manager (the unified pool or a separate one)."""
+
+    def __init__(self, drafter: DFlashDrafter, kv: KVCacheManager, backend: str, num_spec_tokens: int | None = None):
+        k = drafter.block_size - 1 if num_spec_tokens is None else num_spec_tokens
+        if not 1 <= k <= drafter.block_size - 1:
+            raise ValueError(f"num_spec_tokens must be in [1, {drafter.block_size - 1}] for block size "
+                             f"{drafter.block_size}, got {num_spec_tokens}")
+        if kv.lookahead_tokens < k + 1:
+            # The block [anchor, MASK x k] is written after the history: its last slot needs a page too.
+            raise ValueError(f"the KV manager reserves {kv.lookahead_tokens} lookahead tokens; drafting "
+                             f"{k} tokens needs {k + 1}")
+        self.drafter = drafter
+        self.kv = kv
+        self.backend = backend
+        self.num_spec_tokens = k
+        self.capture_layers = drafter.target_layer_ids
+        self.space = kv.space_of(LayerOwner.DRAFT)
+        pool = kv.pools[self.space]
+        self.layer_kv = []
+        for i in range(drafter.config.num_hidden_layers):
+            k_view, v_view = pool.kv_views(LayerOwner.DRAFT, i)
+            scale = pool.spec(LayerOwner.DRAFT, i).scale
+            self.layer_kv.append(LayerKV(k_view, v_view, scale, scale))
+
+    @torch.inference_mode()
+    def draft_logits(self, requests: Sequence[Request], num_drafts: int) -> torch.Tensor:
+        """Drafter logits ``[B, num_drafts, V]`` for blocks anchored at each request's last token."""
+        device = self.drafter.device
+        for r in requests:
+            if r.num_draft_context != r.num_computed_tokens or r.num_computed_tokens != r.num_tokens - 1:
+                raise RuntimeError(f"request {r.request_id}: drafter context ({r.num_draft_context}) must cover "
+                                   f"the computed history ({r.num_computed_tokens}) before drafting")
+        width = num_drafts + 1
+        rows = [Row(r.request_id, r.num_computed_tokens, width) for r in requests]
+        positions, meta = build_metadata(self.kv, self.space, rows, causal=False, backend=self.backend, device=device)
+        mask = self.drafter.config.mask_token_id
+        ids = torch.tensor([t for r in requests for t in [r.all_token_ids[-1]] + [mask] * num_drafts],
+                           dtype=torch.int64, device=device)
+        hidden = self.drafter.forward_block(ids, positions, self.layer_kv, meta).view(len(requests), width, -1)
+        return self.drafter.compute_logits(hidden[:, 1:])      # slot k predicts position start + k
+
+    def propose(self, rows: Sequence[ScheduledRequest]) -> list[Proposal]:
+        if not rows:
+            return []
+        # Rows in one step may carry fewer drafts when the token budget ran short; group by count.
+        proposals: dict[int, Proposal] = {}
+        for count in sorted({s.num_spec_tokens for s in rows}):
+            group = [i for i, s in enumerate(rows) if s.num_spec_tokens == count]
+            logits = self.draft_logits([rows[i].request for i in group], count)
+            greedy = logits.argmax(-1).tolist()
+            for j, i in enumerate(group):
+                request = rows[i].request
+                if request.params.greedy:
+                    proposals[i] = Proposal(greedy[j])
+                else:
+                    q = probabilities(logits[j], request.params)
+                    proposals[i] = Proposal(sample_from(q, request.generator).tolist(), q)
+        return [proposals[i] for i in range(len(rows))]
+
+    def verify(self, request: Request, proposal: Proposal, target_logits: torch.Tensor) -> list[int]:
+        if request.params.greedy:
+            return verify_greedy(proposal.tokens, target_logits)
+        return verify_sampling(proposal.tokens, proposal.probs, target_logits, request.params, request.generator)
+
+    @torch.inference_mode()
+    def store_context(self, items: Sequence[tuple[Request, int, torch.Tensor]]) -> None:
+        """Project the captured target hidden states and write them as drafter context K/V, all rows at once."""
+        items = [(r, start, h) for r, start, h in items if len(h) and not r.finished]
+        if not items:
+            return
+        for r, start, _ in items:
+            if start != r.num_draft_context:
+                raise RuntimeError(f"request {r.request_id}: drafter context ends at {r.num_draft_context}, "
+                                   f"new context starts at {start}")
+        rows = [Row(r.request_id, start, len(h)) for r, start, h in items]
+        positions, meta = build_metadata(self.kv, self.space, rows, causal=False, backend=self.backend,
+                                         device=self.drafter.device)
+        context = self.drafter.project_context(torch.cat([h for _, _, h in items]))
+        self.drafter.store_context(context, positions, self.layer_kv, meta.slot_mapping, self.backend)
+        for r, start, h in items:
+            r.num_draft_context = start + len(h)
+
+    def clear_context(self, request: Request) -> None:
+        """Zero the draft layers over the request's history: the drafter context of an engine that never
+        received it (the no-draft-transfer ablation)."""
+        table = self.kv.block_table(request.request_id, self.space)
+        pages = torch.tensor(table[:-(-request.num_draft_context // self.kv.page_size)], dtype=torch.int64)
+        for layer in self.layer_kv:
+            layer.k_cache[pages.to(layer.k_cache.device)] = 0
+            layer.v_cache[pages.to(layer.v_cache.device)] = 0

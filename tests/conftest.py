@@ -1,0 +1,29 @@
+"""Shared fixtures: tiny random checkpoints written by transformers, made once per session."""
+
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+from tests import checkpoints
+
+pytest_plugins = ["tests.ray_cluster"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _threads():
+    torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory):
+    """A 2-layer random Qwen3 (float32, untied embeddings) saved with ``save_pretrained``."""
+    return checkpoints.write_tiny_qwen3(tmp_path_factory.mktemp("tiny_target"))
+
+
+@pytest.fixture(scope="session")
+def tiny_target_tied(tmp_path_factory):
+    return checkpoints.write_tiny_qwen3(tmp_path_factory.mktemp("tiny_target_tied"), tie_word_embeddings=True,
+                                        num_hidden_layers=3, seed=1)
