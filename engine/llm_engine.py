@@ -153,6 +153,7 @@ class LLMEngine:
         r.num_draft_context = r.num_prompt_tokens
         if not draft_context and self.speculator is not None:
             self.speculator.clear_context(r)
+            r.draft_context_valid = False
         r.status = RequestStatus.RUNNING
         r.first_token_time = time.monotonic()
         self.scheduler.running.append(r)
@@ -161,8 +162,7 @@ class LLMEngine:
         if r.finished:
             self.requests.pop(request_id, None)
         else:
-            self.kv.commit(request_id, r.all_token_ids, r.num_computed_tokens,
-                           r.num_draft_context if self.speculator else None)
+            self._commit(r)
         return out
 
     def release(self, request_id: str) -> None:
@@ -260,9 +260,15 @@ class LLMEngine:
                 if not request.hold_pages:
                     del self.requests[out.request_id]
             else:
-                self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens,
-                               request.num_draft_context if spec else None)
+                self._commit(request)
         return outputs
+
+    def _commit(self, r: Request) -> None:
+        """Offer the request's full pages to the prefix cache; draft parts count only where valid."""
+        draft = None
+        if self.speculator is not None:
+            draft = r.num_draft_context if r.draft_context_valid else 0
+        self.kv.commit(r.request_id, r.all_token_ids, r.num_computed_tokens, draft)
 
     def _append(self, r: Request, new_tokens: list[int]) -> list[int]:
         """Append tokens until a stop condition; finish the request when one is met."""

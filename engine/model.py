@@ -156,7 +156,10 @@ class Qwen3Model:
             h = h + self.attention(layer, rms_norm(h, layer.input_norm, eps), positions, kv[i], meta)
             h = h + swiglu_mlp(rms_norm(h, layer.post_norm, eps), layer)
             if i in wanted:
-                captured.append(h)
+                # Hugging Face's hidden_states[L] (the last layer's output) is taken after the final
+                # norm; drafters are trained on that indexing, so capture it the same way.
+                last = i == len(self.layers) - 1
+                captured.append(rms_norm(h, self.norm, eps) if last else h)
         if capture_layers:
             order = sorted(wanted)
             captured = torch.cat([captured[order.index(i)] for i in capture_layers], dim=-1)

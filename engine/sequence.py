@@ -100,6 +100,7 @@ class Request:
     first_token_time: float | None = None
     spec: SpecStats = field(default_factory=SpecStats)
     generator: torch.Generator | None = None
+    draft_context_valid: bool = True   # False: the drafter context over the prompt never arrived (ablation)
     hold_pages: bool = False           # keep the pages after finishing, until released (prefill for a peer)
 
     def __post_init__(self):

@@ -1,0 +1,387 @@
+"""DFlash speculative decoding on tiny random checkpoints: lossless output, drafter math, layout, headroom."""
+
+import json
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.checkpoint import CheckpointError
+from engine.llm_engine import Proposal
+from kv import LayerOwner
+from kv.layout import LayoutConfig, decide_layout
+from spec_decode import dflash
+from spec_decode.verify import verify_sampling
+from tests import checkpoints
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(10, 42)), [5] * 16, [100], list(range(60, 68))]
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory):
+    return checkpoints.write_tiny_drafter(tmp_path_factory.mktemp("drafter"), num_layers=2, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target):
+    """Target-only greedy outputs: the truth every speculative run must reproduce."""
+    llm = LLM(tiny_target, page_size=16)
+    return {tuple(p): o.token_ids for p, o in zip(PROMPTS, llm.generate(PROMPTS, GREEDY))}
+
+
+class OracleDrafts:
+    """Replaces the drafter's tokens by the target's own continuation with every ``miss``-th draft
+    corrupted, so steps accept whole blocks, partial blocks and nothing. The real drafter still runs
+    (its block K/V are still written); only the proposed token ids change."""
+
+    def __init__(self, speculator, reference, miss):
+        self.inner_propose = speculator.propose
+        self.reference = reference
+        self.miss = miss
+        self.calls = 0
+
+    def __call__(self, rows):
+        proposals = self.inner_propose(rows)
+        out = []
+        for row, proposal in zip(rows, proposals):
+            r = row.request
+            truth = self.reference[tuple(r.prompt_token_ids)]
+            done = len(r.output_token_ids)
+            tokens = list(truth[done:done + len(proposal.tokens)])
+            tokens += [0] * (len(proposal.tokens) - len(tokens))
+            self.calls += 1
+            if self.miss and self.calls % self.miss == 0:
+                k = self.calls % len(tokens)
+                tokens[k] = (tokens[k] + 1) % 128
+            out.append(Proposal(tokens))
+        return out
+
+
+@pytest.mark.parametrize("shared", ["on", "off"])
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_greedy_speculation_is_lossless(tiny_target, drafter_dir, reference, shared, page_size):
+    llm = LLM(tiny_target, draft=drafter_dir, page_size=page_size, shared_draft_kv=shared,
+              max_num_batched_tokens=40)
+    assert llm.kv_layout.unified == (shared == "on")
+    outs = llm.generate(PROMPTS, GREEDY)
+    for p, o in zip(PROMPTS, outs):
+        assert o.token_ids == reference[tuple(p)]
+        assert len(o.acceptance_lengths) == o.spec.num_drafts > 0
+    assert llm.engine.kv.pages_in_use() == 0
+
+
+@pytest.mark.parametrize("shared", ["on", "off"])
+@pytest.mark.parametrize("miss", [0, 3])
+def test_accepted_blocks_roll_back_exactly(tiny_target, drafter_dir, reference, shared, miss, monkeypatch):
+    llm = LLM(tiny_target, draft=drafter_dir, page_size=4, shared_draft_kv=shared)
+    spec = llm.engine.speculator
+    monkeypatch.setattr(spec, "propose", OracleDrafts(spec, reference, miss))
+    for batch in (PROMPTS[:1], PROMPTS):
+        outs = llm.generate(batch, GREEDY)
+        for p, o in zip(batch, outs):
+            assert o.token_ids == reference[tuple(p)]
+    stats = llm.engine.spec_stats
+    if miss == 0:
+        # Oracle drafts: every step but the last of each request accepts its whole block (AL = K + 1).
+        assert max(stats.acceptance_lengths) == 4 and stats.mean_acceptance_length > 3.0
+    else:
+        assert 1 in stats.acceptance_lengths and 4 in stats.acceptance_lengths
+    assert stats.accepted_per_position[0] >= stats.accepted_per_position[-1]
+    assert llm.engine.kv.pages_in_use() == 0
+
+
+def test_batch_sizes_do_not_change_output(tiny_target, drafter_dir, reference):
+    llm = LLM(tiny_target, draft=drafter_dir, page_size=4, max_num_seqs=2, max_num_batched_tokens=12)
+    for p, o in zip(PROMPTS, llm.generate(PROMPTS, GREEDY)):
+        assert o.token_ids == reference[tuple(p)]
+
+
+def dense_drafter_logits(target_dir, drafter_dir, context_ids, anchor, block_size):
+    """An independent DFlash drafter on contiguous tensors, written from the published math."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3ForCausalLM
+
+    target = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    cfg = json.loads((drafter_dir / "config.json").read_text())
+    w = load_file(str(drafter_dir / "model.safetensors"))
+    ids = cfg["dflash_config"]["target_layer_ids"]
+    mask = cfg["dflash_config"]["mask_token_id"]
+    nh, nkv, hd, eps = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["rms_norm_eps"]
+
+    def norm(x, weight):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rope(x, pos):           # x [N, heads, hd]
+        inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd))
+        f = torch.outer(pos.float(), inv)
+        cos, sin = torch.cat([f, f], -1).cos()[:, None], torch.cat([f, f], -1).sin()[:, None]
+        x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    with torch.no_grad():
+        hs = target(torch.tensor([context_ids]), output_hidden_states=True).hidden_states
+        ctx = torch.cat([hs[i + 1][0] for i in ids], -1)
+        ctx = norm(ctx @ w["fc.weight"].T, w["hidden_norm.weight"])
+        n = len(context_ids)
+        ctx_pos = torch.arange(n)
+        blk_pos = torch.arange(n, n + block_size)
+        h = target.model.embed_tokens(torch.tensor([anchor] + [mask] * (block_size - 1)))
+        for i in range(cfg["num_hidden_layers"]):
+            p = f"layers.{i}."
+            x = norm(h, w[p + "input_layernorm.weight"])
+            q = rope(norm((x @ w[p + "self_attn.q_proj.weight"].T).view(-1, nh, hd), w[p + "self_attn.q_norm.weight"]), blk_pos)
+
+            def kv(src, pos):
+                k = norm((src @ w[p + "self_attn.k_proj.weight"].T).view(-1, nkv, hd), w[p + "self_attn.k_norm.weight"])
+                return rope(k, pos), (src @ w[p + "self_attn.v_proj.weight"].T).view(-1, nkv, hd)
+
+            kc, vc = kv(ctx, ctx_pos)
+            kb, vb = kv(x, blk_pos)
+            k = torch.cat([kc, kb]).repeat_interleave(nh // nkv, dim=1)
+            v = torch.cat([vc, vb]).repeat_interleave(nh // nkv, dim=1)
+            att = torch.einsum("qhd,khd->hqk", q, k) / hd ** 0.5      # no mask: non-causal
+            o = torch.einsum("hqk,khd->qhd", att.softmax(-1), v).reshape(block_size, -1)
+            h = h + o @ w[p + "self_attn.o_proj.weight"].T
+            x = norm(h, w[p + "post_attention_layernorm.weight"])
+            gate, up = x @ w[p + "mlp.gate_proj.weight"].T, x @ w[p + "mlp.up_proj.weight"].T
+            h = h + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+        logits = norm(h, w["norm.weight"]) @ target.lm_head.weight.T
+    return logits[1:]
+
+
+@pytest.mark.parametrize("shared", ["on", "off"])
+def test_drafter_matches_independent_dense_implementation(tiny_target, drafter_dir, shared):
+    llm = LLM(tiny_target, draft=drafter_dir, page_size=4, shared_draft_kv=shared, max_num_batched_tokens=8)
+    engine = llm.engine
+    prompt = list(range(30, 49))       # 19 tokens: three prefill chunks of 8, 8 and 3
+    r = engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    while r.num_computed_tokens < len(prompt):
+        engine.step()
+    assert r.num_draft_context == len(prompt) and len(r.output_token_ids) == 1
+    got = engine.speculator.draft_logits([r], 3)[0]
+    want = dense_drafter_logits(tiny_target, drafter_dir, prompt, r.output_token_ids[0], 4)
+    assert ((got - want).norm() / want.norm()).item() < 1e-4
+    engine.abort(r.request_id)
+    assert engine.kv.pages_in_use() == 0
+
+
+def test_fp8_target_and_bf16_draft_share_one_manager(tiny_target, drafter_dir):
+    llm = LLM(tiny_target, draft=drafter_dir, kv_cache_dtype="fp8", draft_kv_cache_dtype="bf16", page_size=4,
+              num_pages=16)
+    assert llm.kv_layout.unified
+    (pool,) = llm.engine.kv.pools
+    t_k, _ = pool.kv_views(LayerOwner.TARGET, 1)
+    d_k, d_v = pool.kv_views(LayerOwner.DRAFT, 1)
+    assert t_k.dtype == torch.float8_e4m3fn and t_k.element_size() == 1
+    assert d_k.dtype == torch.bfloat16 and d_k.element_size() == 2
+    # Write known values through the draft view; read them back from the raw bytes at the layer's offset.
+    loc = pool.location(LayerOwner.DRAFT, 1)
+    d_v[5] = torch.arange(d_v[5].numel(), dtype=torch.bfloat16).view_as(d_v[5])
+    raw = pool.groups[loc.group].buffer.view(-1)
+    start = 5 * loc.page_stride + loc.offset_in_page + loc.kv_bytes
+    back = raw[start:start + loc.kv_bytes].view(torch.bfloat16)
+    assert torch.equal(back, torch.arange(d_v[5].numel(), dtype=torch.bfloat16))
+    # And the engine still decodes through the mixed pool.
+    out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert len(out.token_ids) == 6 and llm.engine.kv.pages_in_use() == 0
+
+
+GATE_CASES = {
+    "draft page size": dict(draft_page_size=8),
+    "page size 3 is not supported": dict(page_size=3),
+    "dynamic": dict(static_drafting=False),
+    "pipeline parallelism": dict(pipeline_parallel_size=2),
+    "context parallelism": dict(context_parallel_size=2),
+    "KV compression": dict(kv_compression="h2o"),
+    "attention backends differ": dict(draft_attention_backend="triton"),
+}
+
+
+@pytest.mark.parametrize("reason", sorted(GATE_CASES))
+def test_each_failed_gate_falls_back_or_raises(reason):
+    config = LayoutConfig(**{"page_size": 16, **GATE_CASES[reason]})
+    layout = decide_layout("auto", config)
+    assert not layout.unified and any(reason.split()[0] in r for r in layout.reasons)
+    with pytest.raises(ValueError, match="shared_draft_kv=on"):
+        decide_layout("on", config)
+    # A peer failing the gate blocks unification too.
+    peer_layout = decide_layout("auto", LayoutConfig(page_size=16), peers=[config])
+    assert not peer_layout.unified and peer_layout.reasons[0].startswith("peer 0")
+
+
+def test_gates_all_passing_unify_and_off_separates():
+    assert decide_layout("auto", LayoutConfig(page_size=16)).unified
+    assert decide_layout("on", LayoutConfig(page_size=16)).unified
+    assert not decide_layout("off", LayoutConfig(page_size=16)).unified
+    with pytest.raises(ValueError, match="shared_draft_kv must be one of"):
+        decide_layout("sometimes", LayoutConfig(page_size=16))
+
+
+def test_engine_gate_decision_is_readable(tiny_target, drafter_dir, caplog):
+    llm = LLM(tiny_target, draft=drafter_dir, page_size=3, shared_draft_kv="auto")
+    assert not llm.kv_layout.unified and "page size 3" in llm.kv_layout.describe()
+    assert any("separate draft KV pool" in m for m in caplog.messages)
+    assert len(llm.engine.kv.pools) == 2
+    with pytest.raises(ValueError, match="page size 3"):
+        LLM(tiny_target, draft=drafter_dir, page_size=3, shared_draft_kv="on")
+
+
+@pytest.mark.parametrize("shared", ["on", "off"])
+def test_drafted_slots_stay_inside_allocated_pages(tiny_target, drafter_dir, reference, shared, monkeypatch):
+    """A prompt ending exactly on a page boundary, and steps accepting the whole block."""
+    llm = LLM(tiny_target, draft=drafter_dir, page_size=4, shared_draft_kv=shared)
+    engine = llm.engine
+    spec = engine.speculator
+    monkeypatch.setattr(spec, "propose", OracleDrafts(spec, reference, 0))
+    written = []
+    real = dflash.build_metadata
+
+    def recording(kv, space, rows, **kw):
+        positions, meta = real(kv, space, rows, **kw)
+        for row, start in zip(rows, meta.query_start_loc[:-1].tolist()):
+            pages = set(kv.block_table(row.request_id, space))
+            slots = meta.slot_mapping[start:start + row.num_tokens].tolist()
+            written.append((row, [s // kv.page_size for s in slots], pages))
+        return positions, meta
+
+    monkeypatch.setattr(dflash, "build_metadata", recording)
+    prompt = PROMPTS[3]                 # 16 tokens: four full pages
+    assert len(prompt) % 4 == 0
+    out = llm.generate([prompt], GREEDY)[0]
+    assert out.token_ids == reference[tuple(prompt)]
+    assert max(out.acceptance_lengths) == 4
+    blocks = [w for w in written if w[0].num_tokens == 4]
+    assert blocks and all(set(pages_written) <= pages for _, pages_written, pages in written)
+    # The first block starts at position 16: it needs a fifth page that the prompt alone would not.
+    first_block = blocks[0]
+    assert first_block[0].start == len(prompt)
+    assert engine.kv.pages_in_use() == 0
+
+
+def test_block_width_is_reserved_at_admission(tiny_target, drafter_dir):
+    llm = LLM(tiny_target, draft=drafter_dir, page_size=4, num_extra_kv_tokens=1)
+    kv = llm.engine.kv
+    assert kv.lookahead_tokens == 4                      # max(num_extra_kv_tokens, block width)
+    engine = llm.engine
+    r = engine.add_request(list(range(1, 17)), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    assert len(kv.block_table(r.request_id)) >= -(-(16 + 1 + 3) // 4)
+    engine.abort(r.request_id)
+
+
+def test_drafter_that_does_not_fit_its_target_is_refused(tiny_target, tmp_path):
+    cases = {
+        "hidden_size": dict(hidden_size=32),
+        "vocab_size": dict(vocab_size=64),
+        "mask_token_id": dict(mask_token_id=500),
+        "target_layer_ids": dict(target_layer_ids=(0, 7)),
+    }
+    for name, override in cases.items():
+        kwargs = {"target_layer_ids": override.pop("target_layer_ids", (0, 1)),
+                  "mask_token_id": override.pop("mask_token_id", 127)}
+        d = checkpoints.write_tiny_drafter(tmp_path / name, **kwargs, **override)
+        with pytest.raises(CheckpointError, match=name):
+            LLM(tiny_target, draft=d)
+
+
+def test_default_target_layer_ids():
+    from spec_decode.drafter import default_target_layer_ids
+
+    assert default_target_layer_ids(36, 1) == [18]
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(2, 1) == [1]
+
+
+def test_speculative_sampling_follows_target_distribution():
+    """Rejection sampling over a 6-token vocabulary: the emitted first token follows p, not q."""
+    from engine.sampler import probabilities
+
+    torch.manual_seed(0)
+    target_logits = torch.randn(3, 6) * 1.5
+    draft_logits = torch.randn(2, 6) * 1.5
+    params = SamplingParams(temperature=1.0)
+    p = probabilities(target_logits, params)
+    q = probabilities(draft_logits, params)
+    g = torch.Generator().manual_seed(1234)
+    n = 20000
+    first = torch.zeros(6)
+    second = torch.zeros(6)
+    n_second = 0
+    for _ in range(n):
+        drafts = [int(torch.multinomial(q[k], 1, generator=g)) for k in range(2)]
+        out = verify_sampling(drafts, q, target_logits, params, g)
+        first[out[0]] += 1
+        if len(out) > 1 and out[0] == 3:
+            second[out[1]] += 1
+            n_second += 1
+    # Chi-square against p with 5 degrees of freedom: 20.5 is the 0.1% critical value.
+    expected = p[0] * n
+    chi2 = ((first - expected) ** 2 / expected).sum().item()
+    assert chi2 < 20.5, (first / n, p[0])
+    # The token after a 3 follows p[1] (the target's distribution at that position).
+    expected2 = p[1] * n_second
+    assert ((second - expected2) ** 2 / expected2).sum().item() < 20.5
+    # And the draft distribution itself would be rejected by the same test (the test has power).
+    chi2_q = ((first - q[0] * n) ** 2 / (q[0] * n)).sum().item()
+    assert chi2_q > 20.5
+
+
+def test_seeded_speculative_sampling_is_reproducible(tiny_target, drafter_dir):
+    params = SamplingParams(max_tokens=16, temperature=0.8, top_k=20, top_p=0.9, seed=7, ignore_eos=True)
+    a = LLM(tiny_target, draft=drafter_dir, page_size=4).generate(PROMPTS[:3], params)
+    b = LLM(tiny_target, draft=drafter_dir, page_size=4).generate(PROMPTS[:3], params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    other = LLM(tiny_target, draft=drafter_dir, page_size=4).generate(
+        PROMPTS[:3], SamplingParams(max_tokens=16, temperature=0.8, top_k=20, top_p=0.9, seed=8, ignore_eos=True))
+    assert [o.token_ids for o in a] != [o.token_ids for o in other]
+
+
+@pytest.mark.parametrize("shared", ["on", "off"])
+def test_prefix_reuse_with_drafter(tiny_target, drafter_dir, reference, shared):
+    llm = LLM(tiny_target, draft=drafter_dir, page_size=4, shared_draft_kv=shared)
+    engine = llm.engine
+    prompt = PROMPTS[2]                 # 32 tokens
+    first = llm.generate([prompt], GREEDY)[0]
+    second = llm.generate([prompt[:30] + [7]], GREEDY)[0]
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == 28
+    assert first.token_ids == reference[tuple(prompt)]
+    # Same context, same drafts: acceptance is unchanged by reuse.
+    again = llm.generate([prompt], GREEDY)[0]
+    assert again.num_cached_tokens == 28
+    assert again.token_ids == first.token_ids and again.acceptance_lengths == first.acceptance_lengths
+    assert engine.kv.pages_in_use() == 0
+
+
+def test_incomplete_draft_pages_are_recomputed(tiny_target, drafter_dir, reference):
+    """Pages whose draft layers never received the context (as after a target-only transfer) are not
+    reused by a drafting request: its drafter context is recomputed and the output stays lossless."""
+    llm = LLM(tiny_target, draft=drafter_dir, page_size=4)
+    engine = llm.engine
+    prompt = PROMPTS[2]
+    donor = LLM(tiny_target, draft=drafter_dir, page_size=4).engine
+    held = donor.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True), hold_pages=True)
+    while donor.has_unfinished():
+        donor.step()
+    r = engine.reserve_transfer(prompt, held.output_token_ids[0], GREEDY)
+    # Copy the target layers' pages only, as a transfer without draft layers would.
+    src, dst = donor.kv.block_table(held.request_id), engine.kv.block_table(r.request_id)
+    n = -(-len(prompt) // 4)
+    for i in range(tiny_target_layers(engine)):
+        for s_view, d_view in zip(donor.kv.pools[0].kv_views(LayerOwner.TARGET, i),
+                                  engine.kv.pools[0].kv_views(LayerOwner.TARGET, i)):
+            d_view[torch.tensor(dst[:n])] = s_view[torch.tensor(src[:n])]
+    donor.release(held.request_id)
+    engine.activate_transfer(r.request_id, draft_context=False)
+    while engine.has_unfinished():
+        engine.step()
+    assert r.output_token_ids == reference[tuple(prompt)]
+    # The next request with the same prompt cannot reuse draft-less pages: it recomputes them.
+    again = llm.generate([prompt], GREEDY)[0]
+    assert again.num_cached_tokens == 0
+    assert again.token_ids == reference[tuple(prompt)]
+    assert engine.kv.pages_in_use() == 0 and donor.kv.pages_in_use() == 0
+
+
+def tiny_target_layers(engine):
+    return engine.model.config.num_hidden_layers
