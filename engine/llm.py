@@ -72,6 +72,13 @@ def build_engine(config: EngineConfig, allocate: BufferAllocator | None = None) 
         raise CheckpointError(f"model directory {config.model!r} does not exist")
     model = Qwen3Model.from_pretrained(config.model, device=config.device, dtype=dtype)
     tokenizer = Tokenizer(config.model) if (Path(config.model) / "tokenizer.json").is_file() else None
+    return build_engine_from_model(model, config, allocate, tokenizer)
+
+
+def build_engine_from_model(model: Qwen3Model, config: EngineConfig, allocate: BufferAllocator | None = None,
+                            tokenizer: Tokenizer | None = None) -> LLMEngine:
+    """Assemble an engine around a loaded target (benchmarks pass random weights this way)."""
+    dtype = model.dtype
     c = model.config
     target_dtype = _kv_dtype(config.kv_cache_dtype, dtype)
     scale = config.kv_scale if target_dtype == torch.float8_e4m3fn else 1.0

@@ -53,18 +53,22 @@ def load_or_build_corpus(path: Path, log) -> list[dict]:
 
 
 def time_steps(preset: T.Preset, device: torch.device, steps: int, log) -> None:
-    """Per-step cost of the preset's target and drafter steps on random tokens, projected to the full preset."""
+    """Per-step cost of the preset's target and drafter steps on random tokens, projected to the full preset.
+
+    On CPU a full-size step does not fit in memory, so it times 1/16 of the batch and scales up (CPU time is
+    linear in the batch)."""
     vocab = preset.vocab_size
+    scale = 16 if device.type == "cpu" else 1
     gen = torch.Generator(device=device).manual_seed(0)
     target = T.make_target(preset, vocab, eos_id=0).to(device)
     optimizer = T.make_adamw(target, preset.lr, device)
-    windows = torch.randint(4, vocab, (preset.batch_size, preset.seq_len + 1), generator=gen, device=device)
+    windows = torch.randint(4, vocab, (preset.batch_size // scale, preset.seq_len + 1), generator=gen, device=device)
     seconds = []
     for _ in range(steps + 1):                      # the first step pays one-time setup
         start = time.perf_counter()
         T.target_train_step(target, optimizer, windows, device).item()
         seconds.append(time.perf_counter() - start)
-    target_step = sum(seconds[1:]) / steps
+    target_step = scale * sum(seconds[1:]) / steps
     log(f"target: {target_step:.2f}s/step x {preset.max_steps} steps = {target_step * preset.max_steps / 60:.0f} min")
 
     target.eval()
@@ -83,8 +87,9 @@ def time_steps(preset: T.Preset, device: torch.device, steps: int, log) -> None:
         mask_token_id=1, target_layer_ids=preset.target_layer_ids, num_target_layers=preset.num_layers)
     drafter = T.DFlashDrafter(config).to(device)
     optimizer = T.make_adamw(drafter, preset.drafter_lr, device)
-    sequences = torch.randint(4, vocab, (preset.drafter_batch, preset.distill_seq_len), generator=gen, device=device)
-    prompt_lens = torch.full((preset.drafter_batch,), min(preset.distill_prompt_lens), device=device)
+    rows = preset.drafter_batch // scale
+    sequences = torch.randint(4, vocab, (rows, preset.distill_seq_len), generator=gen, device=device)
+    prompt_lens = torch.full((rows,), min(preset.distill_prompt_lens), device=device)
     seconds = []
     for _ in range(steps + 1):
         start = time.perf_counter()
@@ -94,7 +99,7 @@ def time_steps(preset: T.Preset, device: torch.device, steps: int, log) -> None:
         optimizer.step()
         loss.item()
         seconds.append(time.perf_counter() - start)
-    drafter_step = sum(seconds[1:]) / steps
+    drafter_step = scale * sum(seconds[1:]) / steps
     log(f"drafter: {drafter_step:.2f}s/step x {preset.drafter_max_steps} steps "
         f"= {drafter_step * preset.drafter_max_steps / 60:.0f} min")
 
@@ -160,7 +165,7 @@ def main() -> None:
         del model
     # Everything downstream uses the saved bf16 weights, which are what the engine serves.
     target = T.load_target(target_dir, device)
-    saved_loss = T.mean_token_loss(target, heldout_ids, preset.seq_len, preset.batch_size, device)
+    saved_loss = T.mean_token_loss(target, heldout_ids, preset.seq_len, preset.batch_size, device, preset.eval_windows)
     metrics.setdefault("target", {})["saved_heldout_loss"] = round(saved_loss, 4)
     log(f"saved target: held-out loss {saved_loss:.4f}")
 
@@ -179,7 +184,8 @@ def main() -> None:
     T.save_drafter(drafter, args.out / "drafter")
     del drafter, sequences
 
-    # Evaluate the checkpoints as saved, in fp32, on prompts the target never trained on.
+    # Evaluate the checkpoints as saved, in true fp32 (no TF32), on prompts the target never trained on.
+    torch.backends.cuda.matmul.allow_tf32 = False
     drafter = T.load_drafter(args.out / "drafter", device)
     prompt_ids = [tokenizer.encode(p["prompt"], add_special_tokens=False).ids
                   for p in prompts[:preset.num_eval_prompts]]

@@ -14,7 +14,9 @@ pytest_plugins = ["tests.ray_cluster"]
 
 @pytest.fixture(scope="session", autouse=True)
 def _threads():
-    torch.set_num_threads(2)
+    # One thread per process: tests share 2 cores with Ray actors, and oversubscribed OpenMP
+    # threads spin (a 2 ms decode step measured 250 ms with 2 threads beside other busy processes).
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -304,7 +304,7 @@ def test_speculative_sampling_follows_target_distribution():
     p = probabilities(target_logits, params)
     q = probabilities(draft_logits, params)
     g = torch.Generator().manual_seed(1234)
-    n = 20000
+    n = 8000
     first = torch.zeros(6)
     second = torch.zeros(6)
     n_second = 0

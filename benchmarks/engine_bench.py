@@ -1,0 +1,166 @@
+"""Engine throughput against transformers' generate on the same weights, in one run.
+
+CPU:  python benchmarks/engine_bench.py --preset tiny
+GPU:  python benchmarks/engine_bench.py --preset qwen3-8b --device cuda   (random bf16 weights)
+
+Prints prefill and decode tokens/s at batch 1 and 32 for both, their ratio, and on CUDA the decode step
+time against the floor of reading the weights and the KV once at the copy bandwidth measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+PRESETS = {
+    "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, max_position_embeddings=2048),
+    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192),
+}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes/s of a large device copy (read + write counted), the memory floor's yardstick."""
+    n = 2 * 2**30 if device.type == "cuda" else 256 * 2**20
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(5):
+        b.copy_(a)
+    sync(device)
+    return 2 * n * 5 / (time.perf_counter() - t)
+
+
+def make_hf(preset: dict, dtype, device):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**preset, tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1e6)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(dtype).eval()
+    return model
+
+
+def time_engine(engine, prompts, n_out):
+    from engine import SamplingParams
+
+    device = engine.model.device
+    params = SamplingParams(max_tokens=n_out, ignore_eos=True)
+    reqs = [engine.add_request(p, params) for p in prompts]
+    sync(device)
+    t0 = time.perf_counter()
+    while any(not r.output_token_ids for r in reqs):
+        engine.step()
+    sync(device)
+    t1 = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    sync(device)
+    t2 = time.perf_counter()
+    return t1 - t0, (t2 - t1) / max(steps, 1), steps
+
+
+def time_hf(model, prompts, n_out):
+    ids = torch.tensor(prompts, device=model.device)
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(ids[:, :8], max_new_tokens=2, min_new_tokens=2, **kwargs)    # warm-up
+        sync(model.device)
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+        sync(model.device)
+        t1 = time.perf_counter()
+        model.generate(ids, max_new_tokens=n_out, min_new_tokens=n_out, **kwargs)
+        sync(model.device)
+        t2 = time.perf_counter()
+    prefill = t1 - t0
+    return prefill, (t2 - t1 - prefill) / (n_out - 1)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--out-len", type=int, default=32)
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (both engines)")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    preset = PRESETS[args.preset]
+    hf = make_hf(preset, dtype, device)
+    with tempfile.TemporaryDirectory() as tmp:
+        if device.type == "cpu":
+            hf.save_pretrained(tmp)
+        from engine import LLM
+        from engine.checkpoint import Qwen3Config
+        from engine.llm import EngineConfig, build_engine_from_model
+        from engine.model import Qwen3Model
+
+        if device.type == "cpu":
+            engine = LLM(tmp, dtype=str(dtype).removeprefix("torch."), max_num_batched_tokens=8192,
+                         max_num_seqs=64, page_size=16).engine
+        else:
+            # Share transformers' weights instead of writing 16 GB to disk.
+            cfg = Qwen3Config.from_dict({**preset, "rms_norm_eps": 1e-6, "rope_theta": 1e6})
+            tensors = {k: v for k, v in hf.state_dict().items()}
+            model = Qwen3Model(cfg, tensors, device, dtype, "random")
+            engine = build_engine_from_model(model, EngineConfig(model="random", device=args.device,
+                                                              dtype=str(dtype).removeprefix("torch."),
+                                                              max_num_batched_tokens=8192, max_num_seqs=64,
+                                                              kv_cache_bytes=8 * 2**30))
+        bw = copy_bandwidth(device)
+        weight_bytes = sum(t.numel() * t.element_size() for t in hf.state_dict().values())
+        c = preset
+        kv_bytes_per_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * dtype.itemsize
+        results = []
+        for batch in [int(b) for b in args.batches.split(",")]:
+            g = torch.Generator().manual_seed(batch)
+            prompts = torch.randint(0, c["vocab_size"], (batch, args.prompt_len), generator=g).tolist()
+            time_engine(engine, [p[:16] for p in prompts[:2]], 4)   # warm-up
+            e_prefill, e_step, steps = time_engine(engine, prompts, args.out_len)
+            h_prefill, h_step = time_hf(hf, prompts, args.out_len)
+            ctx = args.prompt_len + args.out_len // 2
+            floor = (weight_bytes + batch * ctx * kv_bytes_per_token) / (bw / 2)
+            row = dict(batch=batch, engine_prefill_tok_s=batch * args.prompt_len / e_prefill,
+                       hf_prefill_tok_s=batch * args.prompt_len / h_prefill,
+                       engine_decode_tok_s=batch / e_step, hf_decode_tok_s=batch / h_step,
+                       engine_step_ms=e_step * 1e3, hf_step_ms=h_step * 1e3, floor_step_ms=floor * 1e3)
+            row["prefill_ratio"] = row["engine_prefill_tok_s"] / row["hf_prefill_tok_s"]
+            row["decode_ratio"] = row["engine_decode_tok_s"] / row["hf_decode_tok_s"]
+            row["floor_over_engine"] = floor / e_step
+            results.append(row)
+    print(f"device {device} dtype {dtype} preset {args.preset}: weights {weight_bytes / 2**30:.2f} GiB, "
+          f"copy bandwidth {bw / 1e9:.0f} GB/s (read+write)")
+    print(f"{'batch':>5} {'prefill tok/s':>14} {'hf':>10} {'ratio':>6} {'decode tok/s':>13} {'hf':>10} {'ratio':>6} "
+          f"{'step ms':>8} {'hf ms':>8} {'floor ms':>9} {'floor/step':>10}")
+    for r in results:
+        print(f"{r['batch']:>5} {r['engine_prefill_tok_s']:>14.0f} {r['hf_prefill_tok_s']:>10.0f} "
+              f"{r['prefill_ratio']:>6.2f} {r['engine_decode_tok_s']:>13.0f} {r['hf_decode_tok_s']:>10.0f} "
+              f"{r['decode_ratio']:>6.2f} {r['engine_step_ms']:>8.2f} {r['hf_step_ms']:>8.2f} "
+              f"{r['floor_step_ms']:>9.3f} {r['floor_over_engine']:>10.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
