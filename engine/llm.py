@@ -76,22 +76,22 @@ def build_engine(config: EngineConfig, allocate: BufferAllocator | None = None) 
 
 
 def build_engine_from_model(model: Qwen3Model, config: EngineConfig, allocate: BufferAllocator | None = None,
-                            tokenizer: Tokenizer | None = None) -> LLMEngine:
-    """Assemble an engine around a loaded target (benchmarks pass random weights this way)."""
+                            tokenizer: Tokenizer | None = None, drafter=None) -> LLMEngine:
+    """Assemble an engine around a loaded target (and drafter); benchmarks pass random weights this way."""
     dtype = model.dtype
     c = model.config
     target_dtype = _kv_dtype(config.kv_cache_dtype, dtype)
     scale = config.kv_scale if target_dtype == torch.float8_e4m3fn else 1.0
     target_specs = make_layer_specs(LayerOwner.TARGET, c.num_hidden_layers, target_dtype, c.num_key_value_heads,
                                     c.head_dim, scale)
-    drafter = None
     draft_specs: list[KVLayerSpec] = []
     layout: KVLayout | None = None
     lookahead = config.num_extra_kv_tokens
-    if config.draft is not None:
+    if drafter is None and config.draft is not None:
         from spec_decode.drafter import DFlashDrafter   # spec_decode builds on engine; imported on demand
 
         drafter = DFlashDrafter.from_pretrained(config.draft, model, device=config.device, dtype=dtype)
+    if drafter is not None:
         draft_dtype = _kv_dtype(config.draft_kv_cache_dtype, dtype)
         draft_specs = drafter.kv_layer_specs(draft_dtype)
         layout = decide_layout(config.shared_draft_kv, LayoutConfig(

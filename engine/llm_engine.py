@@ -7,12 +7,10 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from engine.checkpoint import CheckpointError
 from engine.model import Qwen3Model
 from engine.model_runner import ModelRunner, Row
 from engine.sampler import sample
@@ -89,6 +87,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.spec_stats = SpecStats()
         self._ids = itertools.count()
+        # Seconds per step phase (draft, verify = target forward, bookkeeping); filled only when
+        # ``time_phases`` is set, since timing a GPU step needs a device sync.
+        self.time_phases = False
+        self.phase_seconds: dict[str, float] = {"draft": 0.0, "target": 0.0, "bookkeeping": 0.0}
 
     # --- requests -------------------------------------------------------------------------------
     def _validate(self, request_id: str | None, prompt_token_ids: Sequence[int], params: SamplingParams
@@ -206,7 +208,9 @@ class LLMEngine:
 
     def _run(self, scheduled: list[ScheduledRequest]) -> list[RequestOutput]:
         spec = self.speculator
+        clock = self._phase_clock()
         proposals = iter(spec.propose([s for s in scheduled if s.num_spec_tokens]) if spec else ())
+        clock("draft")
         rows, token_ids, logit_rows, row_proposals, slices = [], [], [], [], []
         for item in scheduled:
             r = item.request
@@ -224,6 +228,7 @@ class LLMEngine:
             token_ids.extend(tokens)
             row_proposals.append(proposal)
         logits, captured = self.runner.run(rows, token_ids, logit_rows, spec.capture_layers if spec else ())
+        clock("target")
 
         plain = [i for i, item in enumerate(scheduled) if slices[i] is not None and row_proposals[i] is None]
         plain_tokens = dict(zip(plain, sample(
@@ -252,8 +257,10 @@ class LLMEngine:
             if r.first_token_time is None and new_tokens:
                 r.first_token_time = time.monotonic()
             outputs.append(self._output(r, self._append(r, new_tokens)))
+        clock("bookkeeping")
         if context_items:
             spec.store_context(context_items)
+        clock("draft")
         for out in outputs:
             request = self.requests[out.request_id]
             if request.finished:
@@ -261,7 +268,22 @@ class LLMEngine:
                     del self.requests[out.request_id]
             else:
                 self._commit(request)
+        clock("bookkeeping")
         return outputs
+
+    def _phase_clock(self):
+        """A function that charges the time since its last call to a phase (a no-op unless timing)."""
+        if not self.time_phases:
+            return lambda phase: None
+        sync = torch.cuda.synchronize if self.model.device.type == "cuda" else (lambda: None)
+        last = [time.perf_counter()]
+
+        def charge(phase: str) -> None:
+            sync()
+            now = time.perf_counter()
+            self.phase_seconds[phase] += now - last[0]
+            last[0] = now
+        return charge
 
     def _commit(self, r: Request) -> None:
         """Offer the request's full pages to the prefix cache; draft parts count only where valid."""

@@ -62,13 +62,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = _read_prompts(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
-    llm = LLM(**engine_kwargs(args))
-    outputs = llm.generate(prompts, params)
+    if args.mode is not None:
+        # The same prompts through Ray replicas: one aggregated, or one prefill and one decode.
+        from actors.offline import generate_offline
+
+        kwargs = engine_kwargs(args)
+        outputs = generate_offline(args.mode, kwargs, prompts, params, transfer_draft_kv=not args.no_transfer_draft_kv)
+        speculative = kwargs["draft"] is not None
+    else:
+        llm = LLM(**engine_kwargs(args))
+        outputs = llm.generate(prompts, params)
+        speculative = llm.engine.speculator is not None
     for prompt, out in zip(prompts, outputs):
         if args.json:
             record = {"prompt": prompt, "token_ids": out.token_ids, "text": out.text,
                       "finish_reason": out.finish_reason}
-            if llm.engine.speculator is not None:
+            if speculative:
                 record["acceptance_lengths"] = out.acceptance_lengths
                 record["mean_acceptance_length"] = out.mean_acceptance_length
             print(json.dumps(record), flush=True)
@@ -92,7 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="a stop string (repeat for several)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    gen.add_argument("--mode", choices=["agg", "disagg"], default=None,
+                     help="run on a local Ray cluster: one aggregated replica, or one prefill and one decode replica")
+    gen.add_argument("--no-transfer-draft-kv", action="store_true",
+                     help="with --mode disagg: move target layers only (the ablation: decode drafts from an "
+                          "empty drafter context)")
     gen.set_defaults(func=cmd_generate)
+    from serve_app.commands import add_service_commands
+
+    add_service_commands(sub, _engine_args)
     return parser
 
 

@@ -86,7 +86,8 @@ class DFlashSpeculator:
     @torch.inference_mode()
     def store_context(self, items: Sequence[tuple[Request, int, torch.Tensor]]) -> None:
         """Project the captured target hidden states and write them as drafter context K/V, all rows at once."""
-        items = [(r, start, h) for r, start, h in items if len(h) and not r.finished]
+        # A finished request's pages are gone, unless it holds them for a decode peer that drafts from them.
+        items = [(r, start, h) for r, start, h in items if len(h) and (not r.finished or r.hold_pages)]
         if not items:
             return
         for r, start, _ in items:

@@ -1,0 +1,143 @@
+"""Speculative decoding speed: the same prompts with and without the DFlash drafter, in one run.
+
+CPU, demo pair:   python benchmarks/spec_bench.py
+GPU, random 8B-shaped target + 5-layer random drafter (speed and the per-step phase split only):
+                  python benchmarks/spec_bench.py --preset qwen3-8b --device cuda
+
+Reports decode tokens/s for both, the speedup, the mean acceptance length (AL) and speedup / AL (how
+much of the ideal the step overheads leave), and the with-drafter step time split into draft,
+target (verify) and bookkeeping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(engine, prompts, max_tokens, batch):
+    from engine import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    engine.phase_seconds = dict.fromkeys(engine.phase_seconds, 0.0)
+    engine.time_phases = True
+    outputs = []
+    t = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        reqs = [engine.add_request(p, params) for p in prompts[i:i + batch]]
+        while engine.has_unfinished():
+            engine.step()
+        outputs.extend(reqs)
+    elapsed = time.perf_counter() - t
+    engine.time_phases = False
+    tokens = sum(len(r.output_token_ids) for r in outputs)
+    drafts = sum(r.spec.num_drafts for r in outputs)
+    accepted = sum(r.spec.num_accepted_tokens for r in outputs)
+    return dict(tokens_per_s=tokens / elapsed, seconds=elapsed, tokens=tokens,
+                mean_al=(1 + accepted / drafts) if drafts else None,
+                phases=dict(engine.phase_seconds), outputs=[r.output_token_ids for r in outputs])
+
+
+def demo_engines(args):
+    from engine import LLM
+
+    common = dict(page_size=16, max_num_batched_tokens=1024, device=args.device, dtype=args.dtype or "float32",
+                  kv_cache_dtype=args.kv_cache_dtype)
+    base = LLM(REPO / "models/demo/target", **common).engine
+    spec = LLM(REPO / "models/demo/target", draft=REPO / "models/demo/drafter", **common).engine
+    prompts_file = REPO / "benchmarks/prompts/heldout.jsonl"
+    texts = [json.loads(line)["prompt"] for line in prompts_file.read_text().splitlines() if line.strip()]
+    prompts = [base.tokenizer.encode(t) for t in texts[:args.num_prompts]]
+    return base, spec, prompts
+
+
+def random_engines(args):
+    from benchmarks.engine_bench import PRESETS, make_hf
+    from engine.checkpoint import Qwen3Config
+    from engine.llm import EngineConfig, build_engine_from_model
+    from engine.model import Qwen3Model
+    from spec_decode.drafter import DFlashConfig, DFlashDrafter
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or "bfloat16")
+    preset = PRESETS[args.preset]
+    hf = make_hf(preset, dtype, device)
+    cfg = Qwen3Config.from_dict({**preset, "rms_norm_eps": 1e-6, "rope_theta": 1e6})
+    target = Qwen3Model(cfg, dict(hf.state_dict()), device, dtype, "random")
+    del hf
+    n_draft = 5
+    h, hd, nq, nkv, inter = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, \
+        cfg.intermediate_size
+    layer_ids = [1, 9, 17, 25, 33][:n_draft]
+    dcfg = DFlashConfig(hidden_size=h, intermediate_size=inter, num_hidden_layers=n_draft, num_attention_heads=nq,
+                        num_key_value_heads=nkv, head_dim=hd, rms_norm_eps=1e-6, rope_theta=1e6,
+                        vocab_size=cfg.vocab_size, block_size=args.block_size, mask_token_id=cfg.vocab_size - 1,
+                        target_layer_ids=tuple(layer_ids), num_target_layers=cfg.num_hidden_layers)
+
+    def rand(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype) * 0.02
+
+    tensors = {"fc.weight": rand(h, len(layer_ids) * h), "hidden_norm.weight": torch.ones(h, device=device, dtype=dtype),
+               "norm.weight": torch.ones(h, device=device, dtype=dtype)}
+    for i in range(n_draft):
+        p = f"layers.{i}."
+        tensors.update({p + "self_attn.q_proj.weight": rand(nq * hd, h), p + "self_attn.k_proj.weight": rand(nkv * hd, h),
+                        p + "self_attn.v_proj.weight": rand(nkv * hd, h), p + "self_attn.o_proj.weight": rand(h, nq * hd),
+                        p + "self_attn.q_norm.weight": torch.ones(hd, device=device, dtype=dtype),
+                        p + "self_attn.k_norm.weight": torch.ones(hd, device=device, dtype=dtype),
+                        p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
+                        p + "mlp.down_proj.weight": rand(h, inter),
+                        p + "input_layernorm.weight": torch.ones(h, device=device, dtype=dtype),
+                        p + "post_attention_layernorm.weight": torch.ones(h, device=device, dtype=dtype)})
+    drafter = DFlashDrafter(dcfg, tensors, target, "random")
+    config = EngineConfig(model="random", device=args.device, dtype=str(dtype).removeprefix("torch."),
+                          kv_cache_bytes=8 * 2**30, max_num_batched_tokens=4096, kv_cache_dtype=args.kv_cache_dtype)
+    base = build_engine_from_model(target, config)
+    spec = build_engine_from_model(target, config, drafter=drafter)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, cfg.vocab_size - 1, (args.num_prompts, 512), generator=g).tolist()
+    return base, spec, prompts
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", choices=["demo", "qwen3-8b"], default="demo")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--block-size", type=int, default=16, help="random drafter's block size (qwen3-8b preset)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    base, spec, prompts = demo_engines(args) if args.preset == "demo" else random_engines(args)
+    run(base, prompts[:2], 8, args.batch)          # warm-up
+    run(spec, prompts[:2], 8, args.batch)
+    b = run(base, prompts, args.max_tokens, args.batch)
+    s = run(spec, prompts, args.max_tokens, args.batch)
+    lossless = b["outputs"] == s["outputs"]
+    speedup = s["tokens_per_s"] / b["tokens_per_s"]
+    total = sum(s["phases"].values())
+    print(f"preset {args.preset} device {args.device} batch {args.batch}: {len(prompts)} prompts x "
+          f"{args.max_tokens} tokens; greedy outputs identical: {lossless}")
+    print(f"target only   {b['tokens_per_s']:9.1f} tok/s")
+    print(f"with drafter  {s['tokens_per_s']:9.1f} tok/s   speedup {speedup:.2f}x   mean AL "
+          f"{s['mean_al']:.2f}   speedup/AL {speedup / s['mean_al']:.2f}")
+    print("with-drafter time split: " + ", ".join(f"{k} {v / total:.0%}" for k, v in s["phases"].items()))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"base": {k: v for k, v in b.items() if k != "outputs"},
+                                               "spec": {k: v for k, v in s.items() if k != "outputs"},
+                                               "speedup": speedup, "lossless": lossless}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
