@@ -1,0 +1,406 @@
+"""GPU check of the paged-attention kernels: Triton vs the torch reference, and decode time vs the bytes floor.
+
+    python3 benchmarks/attention_check.py              # on a CUDA machine (Qwen3-8B attention shapes)
+    python3 benchmarks/attention_check.py --cpu-smoke  # tiny shapes under TRITON_INTERPRET=1, to test the script
+
+Decode is memory-bound: its floor is the K/V bytes it must read at the device-to-device copy bandwidth measured
+in the same run. Timings replay a CUDA graph that runs the kernel over several layers' caches (each layer a slice
+of one page-major group buffer, as in the engine), so launch gaps and a cache-resident working set stay out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def import_attention():
+    """engine.attention and engine.triton_attention without engine/__init__.py, which loads the whole engine."""
+    package = types.ModuleType("engine")
+    package.__path__ = [str(REPO / "engine")]
+    sys.modules.setdefault("engine", package)
+    from engine import attention, triton_attention
+
+    return attention, triton_attention
+
+
+@dataclass
+class Shapes:
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    decode_batches: tuple  # (name, kv length of each sequence, this step's token included; None: random 1k-4k)
+    prefill_batches: tuple  # (name, context lengths, query lengths, causal)
+    store_tokens: int
+    page_sizes: tuple
+    rotate_bytes: int  # each timed graph streams at least this much K/V, several times the 60 MB L2
+    reps: int
+
+
+GPU_SHAPES = Shapes(
+    num_q_heads=32, num_kv_heads=8, head_dim=128,  # Qwen3-8B
+    decode_batches=(("b1 ctx1k", [1024]), ("b1 ctx4k", [4096]), ("b32 ctx1k", [1024] * 32),
+                    ("b32 ctx4k", [4096] * 32), ("b32 ctx1-4k", None)),
+    prefill_batches=(("prefill 2k", [0], [2048], True),
+                     ("chunk 2k after 2k", [2048], [2048], True),
+                     ("mixed 512 chunk + 31 decode", [1000] + [1023 + 96 * i for i in range(31)], [512] + [1] * 31,
+                      True),
+                     ("draft block16 x32 ctx2k", [2048] * 32, [16] * 32, False)),
+    store_tokens=2048, page_sizes=(16, 64), rotate_bytes=512 << 20, reps=20)
+SMOKE_SHAPES = Shapes(
+    num_q_heads=4, num_kv_heads=2, head_dim=32,
+    decode_batches=(("b1 ctx40", [40]), ("b3 ragged", [1, 17, 90])),
+    prefill_batches=(("prefill 48", [0], [48], True), ("chunk 24 after 40", [40], [24], True),
+                     ("mixed", [30, 20, 50], [20, 1, 1], True), ("draft block8 x3", [20, 33, 1], [8] * 3, False)),
+    store_tokens=48, page_sizes=(16,), rotate_bytes=1 << 16, reps=1)
+SWEEP_DEADLINE_S = 150  # the tuning sweeps are optional: skip them when the checks alone took this long
+
+
+class Bench:
+    """Times work on the device (CUDA graph replays) or, in the CPU smoke run, once on the host clock."""
+
+    def __init__(self, device, reps):
+        import torch
+
+        self.torch, self.device, self.reps = torch, device, reps
+
+    def graph_ms(self, fn):
+        """Median milliseconds of one replay of a graph holding fn (fn warmed up first, so compiles stay out)."""
+        torch = self.torch
+        if self.device == "cpu":
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e3
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        for _ in range(3):
+            graph.replay()
+        return self._median_ms(graph.replay)
+
+    def eager_ms(self, fn, reps=3):
+        if self.device == "cpu":
+            return self.graph_ms(fn)
+        fn()
+        return self._median_ms(fn, reps)
+
+    def _median_ms(self, fn, reps=None):
+        torch = self.torch
+        times = []
+        for _ in range(reps or self.reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+
+def copy_bandwidth(bench, torch, device):
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    if device == "cpu":
+        return float("nan")
+    nbytes = 2 << 30
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    ms = bench.eager_ms(lambda: dst.copy_(src), reps=10)
+    return 2 * nbytes / (ms * 1e-3)
+
+
+class Case:
+    """One batch over a group buffer of `layers` layers, each layer's K/V a strided view into it."""
+
+    def __init__(self, attention, shapes, context_lens, q_lens, page_size, cache_dtype, layers, device, causal=True,
+                 seed=0):
+        import torch
+
+        self.torch = torch
+        gen = torch.Generator(device=device).manual_seed(seed)
+        self.seq_lens = [c + q for c, q in zip(context_lens, q_lens)]
+        pages_per_seq = [math.ceil(n / page_size) for n in self.seq_lens]
+        num_pages = sum(pages_per_seq) + 1
+        H, D = shapes.num_kv_heads, shapes.head_dim
+        self.cache_dtype = cache_dtype
+        self.kv_scale = 0.01 if cache_dtype == attention.FP8_DTYPE else 1.0  # amax of N(0,1) data ~ 5 -> 500
+        self.group = torch.empty((num_pages, layers, 2, page_size, H, D), dtype=cache_dtype, device=device)
+        for layer in range(layers):
+            for kv in range(2):
+                values = torch.randn((num_pages, page_size, H, D), generator=gen, device=device, dtype=torch.bfloat16)
+                self.group[:, layer, kv] = attention.quantize_for_cache(values, cache_dtype, self.kv_scale)
+        page_ids = torch.randperm(num_pages, generator=gen, device=device).to(torch.int32)
+        block_tables = torch.full((len(self.seq_lens), max(pages_per_seq)), -1, dtype=torch.int32, device=device)
+        used = 0
+        for b, n in enumerate(pages_per_seq):
+            block_tables[b, :n] = page_ids[used:used + n]
+            used += n
+        query_start_loc = torch.tensor([0] + list(q_lens), device=device).cumsum(0).to(torch.int32)
+        num_tokens = sum(q_lens)
+        self.query = torch.randn((num_tokens, shapes.num_q_heads, D), generator=gen, device=device,
+                                 dtype=torch.bfloat16)
+        self.meta = attention.AttentionMetadata(
+            query_start_loc=query_start_loc,
+            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32, device=device),
+            block_tables=block_tables,
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+            max_query_len=max(q_lens), max_seq_len=max(self.seq_lens), causal=causal)
+        self.scale = D ** -0.5
+        self.layers = layers
+        self.flops = 4 * shapes.num_q_heads * D * sum(
+            sum(min(s, s - q + i + 1) if causal else s for i in range(q)) for s, q in zip(self.seq_lens, q_lens))
+
+    def caches(self, layer):
+        return self.group[:, layer, 0], self.group[:, layer, 1]
+
+    def kv_bytes(self):
+        """Bytes of K and V one layer's attention must read: every stored token of every sequence, once."""
+        per_token = 2 * self.group.shape[4] * self.group.shape[5] * self.group.element_size()
+        return sum(self.seq_lens) * per_token
+
+    def run(self, fn, layer=0, **kw):
+        k_cache, v_cache = self.caches(layer)
+        return fn(self.query, k_cache, v_cache, self.meta, self.scale, k_scale=self.kv_scale,
+                  v_scale=self.kv_scale, **kw)
+
+    def all_layers(self, fn, **kw):
+        return lambda: [self.run(fn, layer, **kw) for layer in range(self.layers)]
+
+
+def rel_err(torch, out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def decode_case(attention, shapes, seq_lens, page_size, cache_dtype, device):
+    """One decode token per sequence, over enough layers that a graph replay streams rotate_bytes of K/V."""
+    import torch
+
+    element_size = torch.empty((), dtype=cache_dtype).element_size()
+    per_layer = sum(seq_lens) * 2 * shapes.num_kv_heads * shapes.head_dim * element_size
+    layers = max(2, min(64, math.ceil(shapes.rotate_bytes / per_layer)))
+    return Case(attention, shapes, [n - 1 for n in seq_lens], [1] * len(seq_lens), page_size, cache_dtype,
+                layers, device)
+
+
+def reference(attention, case):
+    case.meta.backend = "torch"
+    k_cache, v_cache = case.caches(0)
+    return attention.paged_attention(case.query, k_cache, v_cache, case.meta, case.scale, case.kv_scale,
+                                     case.kv_scale)
+
+
+def triton_dispatch(attention):
+    def fn(query, k_cache, v_cache, meta, scale, **kw):
+        meta.backend = "triton"
+        return attention.paged_attention(query, k_cache, v_cache, meta, scale, **kw)
+
+    return fn
+
+
+def dtype_name(attention, dtype):
+    return "fp8" if dtype == attention.FP8_DTYPE else str(dtype).removeprefix("torch.").replace("bfloat16", "bf16")
+
+
+def check_decode(attention, ta, shapes, bench, bandwidth, device, torch, rows, tol):
+    rng = torch.Generator().manual_seed(1)
+    for page_size in shapes.page_sizes:
+        for cache_dtype in (torch.bfloat16, attention.FP8_DTYPE):
+            for name, contexts in shapes.decode_batches:
+                if contexts is None:
+                    contexts = torch.randint(1024, 4097, (32,), generator=rng).tolist()
+                label = f"decode {name} p{page_size} {dtype_name(attention, cache_dtype)}"
+                try:
+                    case = decode_case(attention, shapes, contexts, page_size, cache_dtype, device)
+                    ref = reference(attention, case)
+                    out = case.run(triton_dispatch(attention))
+                    err = rel_err(torch, out, ref)
+                    ok = err < tol and not out.isnan().any().item()
+                    per = case.layers
+                    t_triton = bench.graph_ms(case.all_layers(triton_dispatch(attention))) / per
+                    t_varlen = bench.graph_ms(case.all_layers(ta.varlen_attention)) / per
+                    case.meta.backend = "torch"
+                    t_torch = bench.eager_ms(lambda: reference(attention, case))
+                    floor_ms = (case.kv_bytes() + 4 * case.query.numel()) / bandwidth * 1e3
+                    rows.append(dict(case=label, ok=ok, err=err, us=t_triton * 1e3, floor_us=floor_ms * 1e3,
+                                     varlen_us=t_varlen * 1e3, torch_us=t_torch * 1e3,
+                                     gbs=case.kv_bytes() / (t_triton * 1e-3) / 1e9))
+                except Exception:
+                    traceback.print_exc()
+                    rows.append(dict(case=label, ok=False, err=float("nan")))
+
+
+def check_prefill(attention, ta, shapes, bench, device, torch, rows, tol):
+    for page_size in shapes.page_sizes:
+        for cache_dtype in (torch.bfloat16, attention.FP8_DTYPE):
+            for name, contexts, q_lens, causal in shapes.prefill_batches:
+                label = f"{name} p{page_size} {dtype_name(attention, cache_dtype)}"
+                try:
+                    case = Case(attention, shapes, contexts, q_lens, page_size, cache_dtype, 1, device,
+                                causal=causal)
+                    ref = reference(attention, case)
+                    out = case.run(triton_dispatch(attention))
+                    err = rel_err(torch, out, ref)
+                    ok = err < tol and not out.isnan().any().item()
+                    t = bench.graph_ms(case.all_layers(triton_dispatch(attention)))
+                    t_torch = bench.eager_ms(lambda: reference(attention, case))
+                    rows.append(dict(case=label, ok=ok, err=err, us=t * 1e3, torch_us=t_torch * 1e3,
+                                     tflops=case.flops / (t * 1e-3) / 1e12))
+                except Exception:
+                    traceback.print_exc()
+                    rows.append(dict(case=label, ok=False, err=float("nan")))
+
+
+def check_store(attention, shapes, device, torch, rows):
+    """Triton store == torch store, bit for bit, over the whole group buffer (slots of -1 included)."""
+    gen = torch.Generator(device=device).manual_seed(2)
+    num_tokens = shapes.store_tokens
+    for page_size in shapes.page_sizes:
+        for cache_dtype, scale in ((torch.bfloat16, 1.0), (attention.FP8_DTYPE, 0.013)):
+            label = f"store_kv T={num_tokens} p{page_size} {dtype_name(attention, cache_dtype)}"
+            try:
+                num_pages = math.ceil(num_tokens / page_size) * 2
+                key = torch.randn((num_tokens, shapes.num_kv_heads, shapes.head_dim), generator=gen,
+                                  device=device, dtype=torch.bfloat16) * 3
+                value = torch.randn_like(key) * 3
+                slots = torch.randperm(num_pages * page_size, generator=gen, device=device)[:num_tokens]
+                slots[::7] = -1
+                groups = {}
+                # torch on the CPU as well: its rounding was checked against numpy's IEEE arithmetic there.
+                for backend, where in (("torch", device), ("triton", device), ("torch", "cpu")):
+                    group = torch.zeros((num_pages, 3, 2, page_size, shapes.num_kv_heads, shapes.head_dim),
+                                        dtype=cache_dtype, device=where)
+                    attention.store_kv(key.to(where), value.to(where), group[:, 1, 0], group[:, 1, 1],
+                                       slots.to(where), scale, scale, backend=backend)
+                    groups[backend, where] = group.view(torch.uint8).cpu()
+                mismatched = (groups["torch", device] != groups["triton", device]).sum().item()
+                vs_cpu = (groups["torch", "cpu"] != groups["triton", device]).sum().item()
+                rows.append(dict(case=label, ok=mismatched == 0 and vs_cpu == 0, err=float(mismatched),
+                                 vs_cpu=float(vs_cpu)))
+                if mismatched or vs_cpu:
+                    show_store_mismatches(attention, key, value, page_size, cache_dtype, scale, device, torch)
+            except Exception:
+                traceback.print_exc()
+                rows.append(dict(case=label, ok=False, err=float("nan")))
+
+
+def show_store_mismatches(attention, key, value, page_size, cache_dtype, scale, device, torch):
+    """Print the first disagreeing elements of triton vs torch (device and CPU), with identity slots."""
+    num_tokens = key.shape[0]
+    slots = torch.arange(num_tokens, device=device)
+    stored = {}
+    for backend, where in (("torch", device), ("triton", device), ("torch", "cpu")):
+        k_cache = torch.zeros((math.ceil(num_tokens / page_size), page_size, *key.shape[1:]), dtype=cache_dtype,
+                              device=where)
+        v_cache = torch.zeros_like(k_cache)
+        attention.store_kv(key.to(where), value.to(where), k_cache, v_cache, slots.to(where), scale, scale,
+                           backend=backend)
+        stored[backend, where] = k_cache.view(torch.uint8).flatten()[: key.numel()].cpu()
+    flat = key.flatten().cpu()
+    bad = ((stored["torch", device] != stored["triton", device]) | (stored["torch", "cpu"] != stored["triton", device]))
+    for i in bad.nonzero().flatten()[:6].tolist():
+        torch_here, triton_here = stored["torch", device][i].item(), stored["triton", device][i].item()
+        print(f"  store mismatch: x={flat[i].item()!r} x/scale={flat[i].double().item() / scale!r} "
+              f"torch[{device}]={torch_here:#04x} triton={triton_here:#04x} "
+              f"torch[cpu]={stored['torch', 'cpu'][i].item():#04x}")
+
+
+def sweep(attention, ta, shapes, bench, bandwidth, device, torch):
+    """Decode tile, warp, stage and split-count variants, printed as they come (us per layer)."""
+    if device == "cpu":
+        return
+    print("\n# decode sweeps, page 16 (us per layer; floor at measured copy bandwidth)")
+    tilings = {torch.bfloat16: ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2)),
+               attention.FP8_DTYPE: ((64, 4, 2), (128, 4, 2), (128, 4, 3), (128, 8, 2), (256, 8, 2))}
+    for contexts, splits in (([4096] * 32, (2, 3, 4, 8)), ([4096], (16, 32, 64))):
+        for cache_dtype in (torch.bfloat16, attention.FP8_DTYPE):
+            case = decode_case(attention, shapes, contexts, 16, cache_dtype, device)
+            floor = case.kv_bytes() / bandwidth * 1e6
+            variants = [dict(block_n=bn, num_warps=w, num_stages=st) for bn, w, st in tilings[cache_dtype]]
+            variants += [dict(num_splits=n) for n in splits]
+            for kw in variants:
+                try:
+                    t = bench.graph_ms(case.all_layers(ta.decode_attention, **kw)) / case.layers * 1e3
+                    print(f"decode b{len(contexts)} ctx4k {dtype_name(attention, cache_dtype)} {kw}: {t:8.2f} us  "
+                          f"floor {floor:7.2f}  ({floor / t:5.1%})", flush=True)
+                except Exception as exc:
+                    print(f"decode b{len(contexts)} {kw}: failed {exc!r}"[:300])
+
+
+def fmt(value, spec):
+    return format(value, spec) if isinstance(value, (int, float)) and not math.isnan(value) else "-"
+
+
+def print_tables(decode_rows, prefill_rows, store_rows, bandwidth, env):
+    print(f"\n# {env}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write)")
+    print(f"\n{'decode (per layer)':34} {'ok':>3} {'rel err':>8} {'triton us':>10} {'floor us':>9} "
+          f"{'% floor':>8} {'GB/s':>6} {'varlen us':>10} {'torch us':>9}")
+    for r in decode_rows:
+        pct = r["floor_us"] / r["us"] if "us" in r else float("nan")
+        print(f"{r['case']:34} {'yes' if r['ok'] else 'NO':>3} {fmt(r['err'], '.1e'):>8} "
+              f"{fmt(r.get('us', math.nan), '.2f'):>10} {fmt(r.get('floor_us', math.nan), '.2f'):>9} "
+              f"{fmt(pct, '.1%'):>8} {fmt(r.get('gbs', math.nan), '.0f'):>6} "
+              f"{fmt(r.get('varlen_us', math.nan), '.2f'):>10} {fmt(r.get('torch_us', math.nan), '.0f'):>9}")
+    print(f"\n{'prefill / mixed / draft':40} {'ok':>3} {'rel err':>8} {'triton us':>10} {'TFLOP/s':>8} "
+          f"{'torch us':>9}")
+    for r in prefill_rows:
+        print(f"{r['case']:40} {'yes' if r['ok'] else 'NO':>3} {fmt(r['err'], '.1e'):>8} "
+              f"{fmt(r.get('us', math.nan), '.1f'):>10} {fmt(r.get('tflops', math.nan), '.1f'):>8} "
+              f"{fmt(r.get('torch_us', math.nan), '.0f'):>9}")
+    print(f"\n{'store (bitwise vs torch)':40} {'ok':>3} {'bytes != torch':>15} {'!= torch on cpu':>16}")
+    for r in store_rows:
+        print(f"{r['case']:40} {'yes' if r['ok'] else 'NO':>3} {fmt(r['err'], '.0f'):>15} "
+              f"{fmt(r.get('vs_cpu', math.nan), '.0f'):>16}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes under TRITON_INTERPRET=1 on CPU")
+    args = parser.parse_args()
+    if args.cpu_smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    import triton
+
+    attention, ta = import_attention()
+    device = "cpu" if args.cpu_smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device: run with --cpu-smoke for the interpreted check")
+    shapes = SMOKE_SHAPES if args.cpu_smoke else GPU_SHAPES
+    torch.manual_seed(0)
+    bench = Bench(device, shapes.reps)
+    env = (f"{torch.cuda.get_device_name() if device == 'cuda' else 'cpu (interpreter)'}, torch {torch.__version__}, "
+           f"triton {triton.__version__}, Hq={shapes.num_q_heads} Hkv={shapes.num_kv_heads} D={shapes.head_dim}")
+    print(f"# {env}", flush=True)
+    bandwidth = copy_bandwidth(bench, torch, device)
+    # bf16 probabilities in the P @ V tensor-core product cost ~3e-3 relative; a wrong mask or page is >> 1e-2.
+    tol = 1e-2
+    decode_rows, prefill_rows, store_rows = [], [], []
+    started = time.time()
+    check_store(attention, shapes, device, torch, store_rows)
+    check_decode(attention, ta, shapes, bench, bandwidth, device, torch, decode_rows, tol)
+    print(f"# decode checks done at {time.time() - started:.0f}s", flush=True)
+    check_prefill(attention, ta, shapes, bench, device, torch, prefill_rows, tol)
+    print(f"# prefill checks done at {time.time() - started:.0f}s", flush=True)
+    print_tables(decode_rows, prefill_rows, store_rows, bandwidth, env)
+    failed = [r["case"] for r in decode_rows + prefill_rows + store_rows if not r["ok"]]
+    print(f"\n# {len(failed)} failed{': ' + ', '.join(failed) if failed else ''}; {time.time() - started:.0f}s",
+          flush=True)
+    if time.time() - started < SWEEP_DEADLINE_S:
+        sweep(attention, ta, shapes, bench, bandwidth, device, torch)
+        print(f"# total {time.time() - started:.0f}s")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,340 @@
+"""Paged attention: torch reference vs a dense computation, Triton vs the reference, and the fp8 cache's error."""
+
+import os
+
+
+def _has_cuda_device() -> bool:
+    gpus = "/proc/driver/nvidia/gpus"
+    return os.path.exists("/dev/nvidia0") or (os.path.isdir(gpus) and bool(os.listdir(gpus)))
+
+
+# Without a GPU the Triton kernels run in the interpreter; it must be chosen before any kernel is defined.
+if not _has_cuda_device():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from engine.attention import (  # noqa: E402
+    FP8_DTYPE,
+    AttentionMetadata,
+    paged_attention,
+    quantize_for_cache,
+    store_kv,
+)
+
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+HEAD_DIM = 32
+NUM_KV_HEADS = 2
+# Ragged batches of (tokens already in the cache, query tokens this step). MIXED_BATCH: a fresh prefill, a
+# prefill chunk after earlier context, two decodes, and a chunk that crosses page boundaries at every page size
+# tested. DECODE_BATCH: lengths 1 (one key), a page plus one, past several tiles, and just under a page of 64.
+MIXED_BATCH = [(0, 7), (37, 13), (70, 1), (120, 20), (3, 1)]
+DECODE_BATCH = [(0, 1), (16, 1), (149, 1), (63, 1)]
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+
+
+def make_layer_caches(num_pages, page_size, dtype, layers_in_group=3, layer=1, num_kv_heads=NUM_KV_HEADS,
+                      head_dim=HEAD_DIM, seed=0):
+    """K/V views of one layer inside a page-major group buffer [pages, layers, 2, page, H, D], filled with junk."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_pages, layers_in_group, 2, page_size, num_kv_heads, head_dim)
+    group = (torch.randn(shape, generator=gen) * 3).to(dtype).to(DEVICE)
+    return group, group[:, layer, 0], group[:, layer, 1]
+
+
+def build_batch(spec, page_size, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, seed=0, spare_pages=5):
+    """Dense float32 K/V per sequence, shuffled page ids, and metadata for a batch of (context, query) lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [ctx + q for ctx, q in spec]
+    pages_per_seq = [math.ceil(n / page_size) for n in seq_lens]
+    num_pages = sum(pages_per_seq) + spare_pages
+    page_ids = torch.randperm(num_pages, generator=gen)
+    max_pages = max(pages_per_seq) + 1
+    block_tables = torch.full((len(spec), max_pages), -1, dtype=torch.int32)
+    block_tables[1::2] = 0  # unused entries may be 0 as well as -1
+    used = 0
+    for b, n in enumerate(pages_per_seq):
+        block_tables[b, :n] = page_ids[used:used + n]
+        used += n
+    q_lens = [q for _, q in spec]
+    query_start_loc = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    slots = []
+    for b, (ctx, q) in enumerate(spec):
+        for pos in range(ctx, ctx + q):
+            slots.append(int(block_tables[b, pos // page_size]) * page_size + pos % page_size)
+    dense_k = [torch.randn(n, num_kv_heads, head_dim, generator=gen) for n in seq_lens]
+    dense_v = [torch.randn(n, num_kv_heads, head_dim, generator=gen) for n in seq_lens]
+    meta = AttentionMetadata(
+        query_start_loc=query_start_loc.to(DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=block_tables.to(DEVICE),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+    )
+    return meta, dense_k, dense_v, num_pages
+
+
+def write_dense(cache, dense, meta, scale=1.0):
+    """Put each sequence's dense rows into its pages position by position (independently of store_kv)."""
+    page_size = cache.shape[1]
+    for b, rows in enumerate(dense):
+        for pos in range(rows.shape[0]):
+            page = int(meta.block_tables[b, pos // page_size])
+            cache[page, pos % page_size] = quantize_for_cache(rows[pos].to(DEVICE), cache.dtype, scale)
+
+
+def dense_attention(query, dense_k, dense_v, meta, scale):
+    """Float64 attention per sequence and query head over contiguous K/V with an explicit visibility mask."""
+    num_q_heads = query.shape[1]
+    group = num_q_heads // dense_k[0].shape[1]
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    starts = meta.query_start_loc.tolist()
+    for b, (k, v) in enumerate(zip(dense_k, dense_v)):
+        seq_len = k.shape[0]
+        q_len = starts[b + 1] - starts[b]
+        for i in range(q_len):
+            position = seq_len - q_len + i
+            visible = torch.arange(seq_len) <= position if meta.causal else torch.ones(seq_len, dtype=torch.bool)
+            for h in range(num_q_heads):
+                kv_head = h // group  # GQA: consecutive query heads share a kv head
+                logits = k[:, kv_head].double() @ query[starts[b] + i, h].double() * scale
+                probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=0)
+                out[starts[b] + i, h] = probs @ v[:, kv_head].double()
+    return out
+
+
+def rel_err(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def make_query(meta, num_q_heads, dtype, seed=1):
+    """Queries as a strided view (the q slice of a fused qkv projection), not a contiguous tensor."""
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = int(meta.query_start_loc[-1])
+    qkv = torch.randn(num_tokens, num_q_heads + 2 * NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype).to(DEVICE)
+    return qkv[:, :num_q_heads]
+
+
+def run(backend, query, k_cache, v_cache, meta, scale, **kw):
+    meta.backend = backend
+    return paged_attention(query, k_cache, v_cache, meta, scale, **kw)
+
+
+# ----------------------------------------------------------------------------------------- torch reference
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_matches_dense_attention(page_size, causal):
+    meta, dense_k, dense_v, num_pages = build_batch(MIXED_BATCH, page_size)
+    meta.causal = causal
+    _, k_cache, v_cache = make_layer_caches(num_pages, page_size, torch.float32)
+    write_dense(k_cache, dense_k, meta)
+    write_dense(v_cache, dense_v, meta)
+    query = make_query(meta, num_q_heads=6, dtype=torch.float32)  # GQA group of 3
+    out = run("torch", query, k_cache, v_cache, meta, scale=0.3)
+    torch.testing.assert_close(out.double().cpu(), dense_attention(query.cpu(), dense_k, dense_v, meta, 0.3),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, FP8_DTYPE])
+def test_store_kv_writes_mapped_slots_only(cache_dtype):
+    page_size, scale = 16, 0.37
+    meta, _, _, num_pages = build_batch(MIXED_BATCH, page_size)
+    group, k_cache, v_cache = make_layer_caches(num_pages, page_size, cache_dtype)
+    before = group.clone()
+    gen = torch.Generator().manual_seed(3)
+    num_tokens = meta.slot_mapping.shape[0]
+    key = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(DEVICE)
+    value = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(DEVICE)
+    slots = meta.slot_mapping.clone()
+    slots[::4] = -1
+    store_kv(key, value, k_cache, v_cache, slots, k_scale=scale, v_scale=scale)
+
+    expected = before.clone()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected[slot // page_size, 1, 0, slot % page_size] = quantize_for_cache(key[t], cache_dtype, scale)
+            expected[slot // page_size, 1, 1, slot % page_size] = quantize_for_cache(value[t], cache_dtype, scale)
+    # Bitwise over the whole group buffer: other layers, skipped slots and unused pages keep their junk.
+    assert torch.equal(group.view(torch.uint8), expected.view(torch.uint8))
+    if cache_dtype == FP8_DTYPE:
+        t = next(t for t, s in enumerate(slots.tolist()) if s >= 0)
+        s = int(slots[t])
+        loaded = k_cache[s // page_size, s % page_size].float() * scale
+        assert rel_err(loaded, key[t]) < 0.05  # dequantized fp8 is close to the input, so the scale was applied
+
+
+def test_unknown_backend_is_refused():
+    meta, _, _, num_pages = build_batch([(0, 2)], 16)
+    _, k_cache, v_cache = make_layer_caches(num_pages, 16, torch.float32)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        run("cuda_graphs", make_query(meta, 2, torch.float32), k_cache, v_cache, meta, 1.0)
+
+
+# -------------------------------------------------------------------------------------------- fp8 accuracy
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.triton)])
+def test_fp8_cache_error_is_bounded(backend):
+    """FP8 (e4m3, per-layer scale = amax / 448) cache vs bf16 cache, both against attention on exact K/V.
+
+    e4m3 keeps 3 mantissa bits: each element's relative rounding error is at most 2**-4 = 6.25% and about
+    2.5% RMS on Gaussian data. Output errors from V average out no better than that, and K's errors only
+    perturb the softmax weights, so on unit-Gaussian data the output's relative L2 error stays near 3%: we
+    require < 5%. bf16 (8 mantissa bits) must land under 0.5%, and fp8 must be clearly worse than bf16, so the
+    test would notice a cache that silently stored bf16 or a scale that was ignored (both give >> 5% or ~0.3%).
+    """
+    page_size = 16
+    meta, dense_k, dense_v, num_pages = build_batch(MIXED_BATCH, page_size, seed=7)
+    query = make_query(meta, num_q_heads=4, dtype=torch.bfloat16)
+    scale = HEAD_DIM ** -0.5
+    exact = dense_attention(query.float().cpu(), dense_k, dense_v, meta, scale)
+    errors = {}
+    for dtype in (torch.bfloat16, FP8_DTYPE):
+        _, k_cache, v_cache = make_layer_caches(num_pages, page_size, dtype)
+        k_scale = max(k.abs().max().item() for k in dense_k) / 448 if dtype == FP8_DTYPE else 1.0
+        v_scale = max(v.abs().max().item() for v in dense_v) / 448 if dtype == FP8_DTYPE else 1.0
+        write_dense(k_cache, dense_k, meta, k_scale)
+        write_dense(v_cache, dense_v, meta, v_scale)
+        out = run(backend, query, k_cache, v_cache, meta, scale, k_scale=k_scale, v_scale=v_scale)
+        errors[dtype] = rel_err(out, exact)
+    assert errors[torch.bfloat16] < 0.005, errors
+    assert errors[FP8_DTYPE] < 0.05, errors
+    assert errors[FP8_DTYPE] > 2 * errors[torch.bfloat16], errors
+
+
+# --------------------------------------------------------------------------------------- triton vs torch
+
+
+def fp8_midpoints():
+    """Every value exactly halfway between two adjacent positive e4m3 values: the ties rounding must break."""
+    codes = torch.arange(0, 0x7F, dtype=torch.uint8).view(FP8_DTYPE).float()  # 0x7F is NaN
+    return (codes[1:] + codes[:-1]) / 2
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("cache_dtype,key_dtype,scale", [
+    (torch.float32, torch.float32, 1.0),
+    (torch.bfloat16, torch.bfloat16, 1.0),
+    (torch.bfloat16, torch.float32, 1.0),  # downcast must round to nearest even, like torch
+    (torch.float16, torch.float16, 1.0),
+    (FP8_DTYPE, torch.bfloat16, 0.37),
+    (FP8_DTYPE, torch.float32, 2.0),  # power-of-two scale: the midpoints below stay exact ties after division
+])
+def test_triton_store_kv_matches_torch(cache_dtype, key_dtype, scale):
+    page_size = 16
+    meta, _, _, num_pages = build_batch(MIXED_BATCH, page_size)
+    gen = torch.Generator().manual_seed(5)
+    num_tokens = meta.slot_mapping.shape[0]
+    # Strided views (slices of a fused kv projection), magnitudes that reach fp8 saturation and subnormals.
+    kv = torch.randn(num_tokens, 2, NUM_KV_HEADS, HEAD_DIM, generator=gen) * scale
+    kv *= torch.logspace(-4, 3, HEAD_DIM).view(1, 1, 1, -1)[..., torch.randperm(HEAD_DIM, generator=gen)]
+    ties = fp8_midpoints() * scale
+    flat = kv[:, 0].reshape(-1)
+    flat[: ties.numel()] = ties
+    flat[ties.numel(): 2 * ties.numel()] = -ties
+    kv[:, 0] = flat.view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+    kv = kv.to(key_dtype).to(DEVICE)
+    key, value = kv[:, 0], kv[:, 1]
+    slots = meta.slot_mapping.clone()
+    slots[1::3] = -1
+
+    results = {}
+    for backend in ("torch", "triton"):
+        group, k_cache, v_cache = make_layer_caches(num_pages, page_size, cache_dtype)
+        store_kv(key, value, k_cache, v_cache, slots, k_scale=scale, v_scale=scale, backend=backend)
+        results[backend] = group
+    untouched = make_layer_caches(num_pages, page_size, cache_dtype)[0]
+    skipped = meta.slot_mapping[1::3]
+    assert torch.equal(results["triton"][skipped // page_size, 1, :, skipped % page_size].view(torch.uint8),
+                       untouched[skipped // page_size, 1, :, skipped % page_size].view(torch.uint8))
+    mismatched = (results["triton"].view(torch.uint8) != results["torch"].view(torch.uint8)).sum().item()
+    assert mismatched == 0
+
+
+# The interpreter's dots take bf16 tiles in fp32, so only rare one-ulp flips of the bf16 output remain; a GPU
+# feeds bf16 probabilities to the tensor cores, whose rounding costs about 3e-3 relative.
+LOW_PRECISION_TOL = 5e-4 if DEVICE == "cpu" else 1e-2
+TRITON_DTYPES = [
+    # (query dtype, cache dtype, kv scale, relative-L2 tolerance vs the torch path on the same cache)
+    (torch.float32, torch.float32, 1.0, 1e-5),
+    (torch.bfloat16, torch.bfloat16, 1.0, LOW_PRECISION_TOL),
+    (torch.bfloat16, FP8_DTYPE, 0.02, LOW_PRECISION_TOL),
+]
+
+
+def _triton_case(query_dtype, cache_dtype, kv_scale, page_size, spec, num_q_heads=6, seed=0):
+    meta, dense_k, dense_v, num_pages = build_batch(spec, page_size, seed=seed)
+    _, k_cache, v_cache = make_layer_caches(num_pages, page_size, cache_dtype, seed=seed)
+    write_dense(k_cache, dense_k, meta, kv_scale)
+    write_dense(v_cache, dense_v, meta, kv_scale)
+    query = make_query(meta, num_q_heads, query_dtype, seed=seed + 1)
+    return meta, k_cache, v_cache, query
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("query_dtype,cache_dtype,kv_scale,tol", TRITON_DTYPES)
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("causal", [True, False])
+def test_triton_varlen_attention_matches_torch(query_dtype, cache_dtype, kv_scale, tol, page_size, causal):
+    meta, k_cache, v_cache, query = _triton_case(query_dtype, cache_dtype, kv_scale, page_size, MIXED_BATCH)
+    meta.causal = causal
+    kw = dict(k_scale=kv_scale, v_scale=kv_scale)
+    ref = run("torch", query, k_cache, v_cache, meta, 0.2, **kw)
+    out = run("triton", query, k_cache, v_cache, meta, 0.2, **kw)
+    assert out.dtype == query.dtype and not out.isnan().any()
+    assert rel_err(out, ref) < tol
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 32), (64, 16)])
+def test_triton_varlen_tilings_agree(block_m, block_n):
+    """Several query blocks per sequence (block_m 16 holds 5 tokens of a group of 3) and tiles spanning pages."""
+    from engine.triton_attention import varlen_attention
+
+    meta, k_cache, v_cache, query = _triton_case(torch.float32, torch.float32, 1.0, 16, MIXED_BATCH)
+    ref = run("torch", query, k_cache, v_cache, meta, 0.2)
+    out = varlen_attention(query, k_cache, v_cache, meta, 0.2, block_m=block_m, block_n=block_n)
+    assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("query_dtype,cache_dtype,kv_scale,tol", TRITON_DTYPES)
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 20])
+@pytest.mark.parametrize("num_q_heads", [2, 8])  # GQA groups of 1 and 4
+def test_triton_decode_attention_matches_torch(query_dtype, cache_dtype, kv_scale, tol, num_splits, num_q_heads):
+    """Split-KV decode: 20 splits leave the short sequences with empty splits that the merge must ignore."""
+    from engine.triton_attention import decode_attention
+
+    meta, k_cache, v_cache, query = _triton_case(query_dtype, cache_dtype, kv_scale, 16, DECODE_BATCH,
+                                                 num_q_heads=num_q_heads)
+    kw = dict(k_scale=kv_scale, v_scale=kv_scale)
+    ref = run("torch", query, k_cache, v_cache, meta, 0.2, **kw)
+    out = decode_attention(query, k_cache, v_cache, meta, 0.2, num_splits=num_splits, **kw)
+    assert rel_err(out, ref) < tol
+
+
+@pytest.mark.triton
+def test_triton_dispatch_sends_decode_to_split_kernel(monkeypatch):
+    """A max_query_len of 1 takes the decode kernel; its result equals the varlen kernel's on the same batch."""
+    from engine import triton_attention
+    from engine.triton_attention import varlen_attention
+
+    calls = []
+    decode = triton_attention.decode_attention
+    monkeypatch.setattr(triton_attention, "decode_attention", lambda *a, **kw: calls.append(1) or decode(*a, **kw))
+    meta, k_cache, v_cache, query = _triton_case(torch.float32, torch.float32, 1.0, 16, DECODE_BATCH)
+    via_dispatch = run("triton", query, k_cache, v_cache, meta, 0.2)
+    assert calls == [1]
+    via_varlen = varlen_attention(query, k_cache, v_cache, meta, 0.2)
+    torch.testing.assert_close(via_dispatch, via_varlen, rtol=1e-5, atol=1e-5)
+    ref = run("torch", query, k_cache, v_cache, meta, 0.2)
+    assert rel_err(via_dispatch, ref) < 1e-5
