@@ -115,7 +115,54 @@ def _indexable(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8) if x.dtype == FP8_DTYPE else x
 
 
+# Batches whose rows are all at most this many queries (decode, verification, drafter blocks) are padded and
+# computed in one batched op; longer rows (prefill chunks) go one sequence at a time.
+_BATCHED_MAX_QUERY_LEN = 32
+
+
 def _attention_torch(query, k_cache, v_cache, meta, scale, k_scale, v_scale) -> torch.Tensor:
+    if meta.max_query_len <= _BATCHED_MAX_QUERY_LEN:
+        return _attention_torch_batched(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
+    return _attention_torch_per_sequence(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
+
+
+def _attention_torch_batched(query, k_cache, v_cache, meta, scale, k_scale, v_scale) -> torch.Tensor:
+    """Every sequence padded to the longest query row and the longest context, masked, in one einsum."""
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    batch = meta.seq_lens.numel()
+    q_len_max, s_max = meta.max_query_len, meta.max_seq_len
+    starts = meta.query_start_loc.long()
+    q_lens = starts[1:] - starts[:-1]
+    seq_lens = meta.seq_lens.long()
+    device = query.device
+    # Flat query index of (row b, slot i); padded slots point at row 0 and are dropped at the end.
+    slot = torch.arange(q_len_max, device=device)
+    valid_q = slot[None, :] < q_lens[:, None]
+    flat = torch.where(valid_q, starts[:-1, None] + slot[None, :], 0)
+    q = query[flat].float().view(batch, q_len_max, num_kv_heads, group, head_dim)
+    pages = meta.block_tables[:, : -(-s_max // page_size)].long().clamp_min(0)
+
+    def gather(cache, cache_scale):
+        x = _indexable(cache)[pages].view(cache.dtype)               # [B, P, page, H, D]
+        return dequantize_from_cache(x.flatten(1, 2)[:, :s_max], cache_scale)
+    k, v = gather(k_cache, k_scale), gather(v_cache, v_scale)     # [B, S, H, D]
+    scores = torch.einsum("bqhgd,bshd->bhgqs", q, k) * scale
+    k_pos = torch.arange(s_max, device=device)
+    visible = k_pos[None, None, :] < seq_lens[:, None, None]           # [B, 1, S]
+    if meta.causal:
+        q_pos = seq_lens[:, None] - q_lens[:, None] + slot[None, :]    # [B, Q]
+        visible = visible & (k_pos[None, None, :] <= q_pos[:, :, None])
+    scores.masked_fill_(~visible[:, None, None], float("-inf"))
+    probs = scores.softmax(dim=-1).nan_to_num_(0.0)                      # padded query rows see nothing
+    o = torch.einsum("bhgqs,bshd->bqhgd", probs, v).reshape(batch, q_len_max, num_q_heads, head_dim)
+    out = torch.empty_like(query)
+    out[flat[valid_q]] = o[valid_q].to(query.dtype)
+    return out
+
+
+def _attention_torch_per_sequence(query, k_cache, v_cache, meta, scale, k_scale, v_scale) -> torch.Tensor:
     """Reference: per sequence, gather its pages, then float32 masked softmax attention with GQA."""
     num_tokens, num_q_heads, head_dim = query.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
