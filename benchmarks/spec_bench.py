@@ -62,7 +62,7 @@ def random_engines(args):
     from engine.checkpoint import Qwen3Config
     from engine.llm import EngineConfig, build_engine_from_model
     from engine.model import Qwen3Model
-    from spec_decode.drafter import DFlashConfig, DFlashDrafter
+    from spec_decode.drafter import DFlashConfig, DFlashDrafter, default_target_layer_ids
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or "bfloat16")
@@ -74,7 +74,7 @@ def random_engines(args):
     n_draft = 5
     h, hd, nq, nkv, inter = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, \
         cfg.intermediate_size
-    layer_ids = [1, 9, 17, 25, 33][:n_draft]
+    layer_ids = default_target_layer_ids(cfg.num_hidden_layers, n_draft)
     dcfg = DFlashConfig(hidden_size=h, intermediate_size=inter, num_hidden_layers=n_draft, num_attention_heads=nq,
                         num_key_value_heads=nkv, head_dim=hd, rms_norm_eps=1e-6, rope_theta=1e6,
                         vocab_size=cfg.vocab_size, block_size=args.block_size, mask_token_id=cfg.vocab_size - 1,
@@ -107,7 +107,8 @@ def random_engines(args):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", choices=["demo", "qwen3-8b"], default="demo")
+    ap.add_argument("--preset", choices=["demo", "tiny", "qwen3-8b"], default="demo",
+                    help="demo: the bundled pair; tiny, qwen3-8b: random weights (speed only)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--kv-cache-dtype", default="auto")
