@@ -3,8 +3,119 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import time
 from collections.abc import Callable
 
 
 def add_service_commands(sub: argparse._SubParsersAction, engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
     """Add the service subcommands; ``engine_args`` adds the engine flags shared with ``generate``."""
+    up = sub.add_parser("up", help="start (or join) a Ray cluster, deploy the service, serve until interrupted")
+    up.add_argument("--config", help="a Serve config YAML (cluster_configs/*.yaml) or a bare service config YAML; "
+                                     "default: the demo pair on CPU, 1 prefill + 1 decode")
+    up.add_argument("--host", default=None, help="default: the config's http_options, else 127.0.0.1")
+    up.add_argument("--port", type=int, default=None, help="default: the config's http_options, else 8000")
+    up.add_argument("--mode", choices=["aggregated", "disaggregated"], default=None, help="override the config")
+    up.add_argument("--model", default=None, help="override the target model directory")
+    up.add_argument("--draft", default=None, help="override the drafter directory")
+    up.add_argument("--no-draft", action="store_true", help="serve the target alone")
+    up.add_argument("--num-cpus", type=float, default=None, help="logical CPUs of a local cluster (default 4)")
+    up.add_argument("--ready-timeout", type=float, default=600.0)
+    up.set_defaults(func=cmd_up)
+
+    bench = sub.add_parser("bench", help="load an OpenAI-compatible server and report latency percentiles")
+    from serve_app.bench import add_bench_args
+
+    add_bench_args(bench)
+    bench.set_defaults(func=cmd_bench)
+
+
+def _service_from_args(args: argparse.Namespace):
+    from serve_app.config import LOCAL_DEFAULT_CONFIG, HttpSettings, load_config_file, parse_service_config
+
+    if args.config:
+        service, http = load_config_file(args.config)
+    elif LOCAL_DEFAULT_CONFIG.is_file():
+        service, http = load_config_file(LOCAL_DEFAULT_CONFIG)
+    else:
+        service, http = parse_service_config({}), HttpSettings()
+    data = service.model_dump()
+    if args.mode:
+        data["mode"] = args.mode
+    if args.model:
+        data["model"]["model"] = args.model
+        data["model"]["draft"] = None if args.draft is None else args.draft
+    elif args.draft:
+        data["model"]["draft"] = args.draft
+    if args.no_draft:
+        data["model"]["draft"] = None
+    service = parse_service_config(data)
+    host = args.host or http.host
+    port = args.port if args.port is not None else http.port
+    return service, host, port
+
+
+def _check_checkpoints(service) -> None:
+    from pathlib import Path
+
+    m = service.model
+    for field, path in (("model.model", m.resolved(m.model)), ("model.draft", m.resolved(m.draft))):
+        if path is not None and not Path(path).is_dir():
+            raise FileNotFoundError(f"{field}: {path} is not a directory (the demo pair lives in models/demo; "
+                                    "train it or pass --config / --model)")
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    import httpx
+    import ray
+    from ray import serve
+
+    from serve_app.app import DEFAULT_APP_NAME, build_service
+
+    service, host, port = _service_from_args(args)
+    _check_checkpoints(service)
+    env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, runtime_env=env, configure_logging=False)
+    else:
+        # "local": a fresh cluster owned by this process, even if another one runs on the machine.
+        ray.init(address="local", num_cpus=args.num_cpus or 4, include_dashboard=False, runtime_env=env,
+                 configure_logging=False, log_to_driver=False)
+    url = f"http://{host}:{port}"
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_service(service, DEFAULT_APP_NAME), name=DEFAULT_APP_NAME, route_prefix="/",
+                  blocking=False)
+        deadline = time.monotonic() + args.ready_timeout
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url}/health did not turn ready in {args.ready_timeout:.0f} s")
+            time.sleep(0.5)
+        roles = "1 aggregated deployment" if service.mode == "aggregated" else "prefill + decode deployments"
+        print(f"dflash-serve: serving {service.model.name!r} ({service.mode}: {roles}) at {url}", flush=True)
+        print(f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{service.model.name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'", flush=True)
+        print("  Ctrl-C to stop", flush=True)
+        while True:
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        print("dflash-serve: shutting down", file=sys.stderr, flush=True)
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from serve_app.bench import run_bench
+
+    return run_bench(args)

@@ -1,0 +1,131 @@
+"""Aggregated vs disaggregated over HTTP, and the offline engine on the same prompts, in one run.
+
+Starts a local Ray cluster, deploys both applications side by side (/agg and /disagg), runs
+``dflash-serve bench`` against each at every concurrency, then the offline ``LLM`` on the same prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def _pair(args) -> tuple[str, str, str]:
+    demo = REPO / "models" / "demo"
+    if not args.tiny and (demo / "target").is_dir() and (demo / "drafter").is_dir():
+        return str(demo / "target"), str(demo / "drafter"), "demo"
+    from tests.test_serve_support import write_tiny_pair
+
+    target, drafter = write_tiny_pair(Path(tempfile.mkdtemp(prefix="serve_bench_")))
+    return str(target), str(drafter), "tiny-random"
+
+
+def _bench_args(url: str, label: str, concurrency: int, args) -> argparse.Namespace:
+    from serve_app.bench import add_bench_args
+
+    p = argparse.ArgumentParser()
+    add_bench_args(p)
+    return p.parse_args(["--url", url, "--label", label, "--max-concurrency", str(concurrency),
+                         "--num-requests", str(max(args.min_requests, 2 * concurrency)),
+                         "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                         "--seed", "0", "--no-progress"])
+
+
+def _offline(target: str, drafter: str, prompts: list, concurrency: int, output_len: int) -> dict:
+    """The engine alone: batches of ``concurrency`` prompts through ``LLM.generate``."""
+    from engine.llm import LLM
+    from engine.sequence import SamplingParams
+
+    llm = _offline.cache.get((target, drafter)) or LLM(target, draft=drafter, num_pages=256)
+    _offline.cache[(target, drafter)] = llm
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:1], params)          # warm-up
+    start = time.perf_counter()
+    tokens, drafts, accepted, e2e = 0, 0, 0, []
+    for i in range(0, len(prompts), concurrency):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts[i:i + concurrency], params)
+        e2e.extend([time.perf_counter() - t0] * len(outs))
+        tokens += sum(len(o.token_ids) for o in outs)
+        drafts += sum(o.spec.num_drafts for o in outs)
+        accepted += sum(o.spec.num_accepted_tokens for o in outs)
+    duration = time.perf_counter() - start
+    e2e.sort()
+    return {"label": "offline", "max_concurrency": concurrency, "num_requests": len(prompts),
+            "request_throughput": len(prompts) / duration, "output_throughput": tokens / duration,
+            "e2e_p50_s": e2e[len(e2e) // 2], "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
+
+
+_offline.cache = {}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--min-requests", type=int, default=8)
+    p.add_argument("--tiny", action="store_true", help="the tiny random pair even if the demo pair exists")
+    p.add_argument("--out", default="out/serve_bench")
+    args = p.parse_args()
+
+    import ray
+    import torch
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.bench import bench, format_table, plot, public
+    from tests.test_serve_support import free_port, service_args, wait_healthy
+
+    torch.set_num_threads(1)
+    target, drafter, pair = _pair(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    summaries = []
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        for mode, name in (("aggregated", "agg"), ("disaggregated", "disagg")):
+            app_args = service_args(target, drafter, mode=mode, app_name=name,
+                                    model={"num_pages": 256, "max_model_len": 1024})
+            serve.run(build_app(app_args), name=name, route_prefix=f"/{name}")
+            wait_healthy(f"http://127.0.0.1:{port}/{name}")
+        for concurrency in args.concurrency:
+            for name in ("agg", "disagg"):
+                summary = bench(_bench_args(f"http://127.0.0.1:{port}/{name}", name, concurrency, args))
+                summaries.append(summary)
+                print(format_table([summary]).splitlines()[-2], flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    from serve_app.bench import _prompts
+
+    offline = []
+    for concurrency in args.concurrency:
+        prompts = _prompts(_bench_args("", "offline", concurrency, args))
+        offline.append(_offline(target, drafter, prompts, concurrency, args.output_len))
+    print(f"pair: {pair}")
+    print(format_table(summaries))
+    print("| offline | conc | req/s | out tok/s | E2E p50 (batch) ms | AL |\n|---|---|---|---|---|---|")
+    for o in offline:
+        al = o["mean_acceptance_length"]
+        print(f"| offline | {o['max_concurrency']} | {o['request_throughput']:.2f} | {o['output_throughput']:.1f} | "
+              f"{o['e2e_p50_s'] * 1000:.1f} | {'-' if al is None else f'{al:.3f}'} |")
+    (out / "serve_bench.json").write_text(json.dumps({"pair": pair, "http": [public(s) for s in summaries],
+                                                      "offline": offline}, indent=1))
+    plot(summaries, str(out / "serve_bench.png"))
+    print(f"wrote {out / 'serve_bench.json'} and {out / 'serve_bench.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""The Serve applications: aggregated (ingress + one engine deployment) and disaggregated (ingress/router +
+prefill + decode). ``build_app`` is the Serve config's ``import_path`` (``serve run cluster_configs/x.yaml``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from serve_app.config import DeploymentSettings, ServiceConfig, parse_service_config
+
+DEFAULT_APP_NAME = "dflash"
+
+
+def _engine_options(settings: DeploymentSettings, service: ServiceConfig, transfer: bool) -> dict[str, Any]:
+    options = settings.serve_options()
+    if transfer and settings.num_gpus > 0:
+        # The replica and its KVManagerActor share one bundle (one GPU): the pool lives on that GPU.
+        options["placement_group_bundles"] = [{"CPU": settings.num_cpus, "GPU": settings.num_gpus}]
+        options["ray_actor_options"]["num_gpus"] = settings.num_gpus - 0.1
+    options["ray_actor_options"]["runtime_env"] = {"env_vars": {
+        "OMP_NUM_THREADS": str(service.model.num_threads), "TOKENIZERS_PARALLELISM": "false"}}
+    # Streams outlive Serve's default graceful-shutdown wait; let replicas finish them when scaling down.
+    options["graceful_shutdown_timeout_s"] = 20.0
+    options["graceful_shutdown_wait_loop_s"] = 0.5
+    return options
+
+
+def build_service(service: ServiceConfig, app_name: str = DEFAULT_APP_NAME) -> Application:
+    """The bound application for a validated config."""
+    from serve_app.ingress import Ingress
+    from serve_app.replicas import AggregatedServer, DecodeServer, PrefillServer
+
+    args = service.model_dump(mode="json")
+    ingress_options = service.ingress.serve_options()
+    if service.mode == "aggregated":
+        backends = {"aggregated": serve.deployment(AggregatedServer, name="AggregatedServer").options(
+            **_engine_options(service.aggregated, service, transfer=False)).bind(args, app_name)}
+    else:
+        backends = {
+            "prefill": serve.deployment(PrefillServer, name="PrefillServer").options(
+                **_engine_options(service.prefill, service, transfer=True)).bind(args, app_name),
+            "decode": serve.deployment(DecodeServer, name="DecodeServer").options(
+                **_engine_options(service.decode, service, transfer=True)).bind(args, app_name),
+        }
+    return serve.deployment(Ingress, name="Ingress").options(**ingress_options).bind(args, app_name, **backends)
+
+
+def build_app(args: dict | None = None) -> Application:
+    """Serve's app builder: ``args`` is a ServiceConfig dict (a bad field raises, naming it)."""
+    args = dict(args or {})
+    app_name = args.pop("app_name", DEFAULT_APP_NAME)
+    return build_service(parse_service_config(args), app_name)

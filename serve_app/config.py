@@ -1,0 +1,191 @@
+"""Pydantic models of the whole service, validated once at the edge (Serve config YAML or CLI flags)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_TARGET = REPO / "models" / "demo" / "target"
+DEMO_DRAFTER = REPO / "models" / "demo" / "drafter"
+APP_IMPORT_PATH = "serve_app.app:build_app"
+LOCAL_DEFAULT_CONFIG = REPO / "cluster_configs" / "local_cpu.yaml"     # what `dflash-serve up` serves by default
+
+
+class ConfigError(ValueError):
+    """A service config that does not validate; the message names the offending field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class ModelSettings(_Strict):
+    """The target, its drafter, and every engine knob that shapes the KV cache."""
+
+    model: str = str(DEMO_TARGET)
+    draft: str | None = str(DEMO_DRAFTER)
+    served_model_name: str | None = None           # default: the model directory's name
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"] = "float32"
+    kv_cache_dtype: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = "auto"
+    draft_kv_cache_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    page_size: int = Field(16, ge=1)
+    num_pages: int | None = Field(None, ge=1)
+    kv_cache_bytes: int | None = Field(None, ge=1)
+    shared_draft_kv: Literal["auto", "on", "off"] = "auto"
+    block_size: int | None = Field(None, ge=2)       # DFlash block width; drafts per step = block_size - 1
+    max_num_seqs: int = Field(32, ge=1)
+    max_num_batched_tokens: int = Field(512, ge=1)
+    max_model_len: int | None = Field(None, ge=2)
+    attention_backend: Literal["torch", "triton"] | None = None
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    num_threads: int = Field(1, ge=1)                 # torch threads per replica process
+
+    @model_validator(mode="after")
+    def _parallel_sizes(self):
+        # The engine runs TP=1 and has no pipeline stages: refuse at load, not at the first request.
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: the engine runs TP=1 only")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size}: pipeline parallelism "
+                             "is not supported (and it disables the unified draft KV)")
+        return self
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or Path(self.model).name
+
+    def resolved(self, path: str | None) -> str | None:
+        """A relative checkpoint path means the working directory, else the repository root."""
+        if path is None or Path(path).is_absolute() or Path(path).exists():
+            return path
+        return str(REPO / path) if (REPO / path).exists() else path
+
+    def engine_config(self):
+        from engine.llm import EngineConfig
+
+        kwargs: dict[str, Any] = dict(
+            model=self.resolved(self.model), draft=self.resolved(self.draft), device=self.device,
+            dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype, draft_kv_cache_dtype=self.draft_kv_cache_dtype,
+            page_size=self.page_size, num_pages=self.num_pages, shared_draft_kv=self.shared_draft_kv,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len, attention_backend=self.attention_backend,
+            num_spec_tokens=None if self.block_size is None else self.block_size - 1)
+        if self.kv_cache_bytes is not None:
+            kwargs["kv_cache_bytes"] = self.kv_cache_bytes
+        return EngineConfig(**kwargs)
+
+
+class AutoscalingSettings(_Strict):
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    initial_replicas: int | None = Field(None, ge=0)
+    target_ongoing_requests: float = Field(4.0, gt=0)
+    upscale_delay_s: float = Field(30.0, ge=0)
+    downscale_delay_s: float = Field(600.0, ge=0)
+    metrics_interval_s: float = Field(10.0, gt=0)
+    look_back_period_s: float = Field(30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        return self
+
+
+class DeploymentSettings(_Strict):
+    """One Serve deployment: a fixed replica count or an autoscaling range, and each replica's resources."""
+
+    num_replicas: int | None = Field(None, ge=1)
+    autoscaling: AutoscalingSettings | None = None
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    max_ongoing_requests: int = Field(64, ge=1)
+    max_queued_requests: int = Field(-1, ge=-1)     # -1: unbounded; beyond it the handle refuses (503)
+
+    @model_validator(mode="after")
+    def _one_scaling_mode(self):
+        if self.num_replicas is not None and self.autoscaling is not None:
+            raise ValueError("give num_replicas or autoscaling, not both")
+        return self
+
+    def serve_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {
+            "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "max_queued_requests": self.max_queued_requests,
+        }
+        if self.autoscaling is not None:
+            options["autoscaling_config"] = self.autoscaling.model_dump(exclude_none=True)
+            options["num_replicas"] = "auto"
+        else:
+            options["num_replicas"] = self.num_replicas or 1
+        return options
+
+
+def _ingress_default() -> DeploymentSettings:
+    return DeploymentSettings(num_replicas=1, num_cpus=0.1, max_ongoing_requests=1024)
+
+
+class ServiceConfig(_Strict):
+    """The service: which application, which model, and each deployment's scaling."""
+
+    mode: Literal["aggregated", "disaggregated"] = "disaggregated"
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    ingress: DeploymentSettings = Field(default_factory=_ingress_default)
+    aggregated: DeploymentSettings = Field(default_factory=DeploymentSettings)
+    prefill: DeploymentSettings = Field(default_factory=DeploymentSettings)
+    decode: DeploymentSettings = Field(default_factory=DeploymentSettings)
+    transfer_draft_kv: bool = True                   # False: the ablation (decode drafts from an empty context)
+    hold_timeout_s: float = Field(30.0, gt=0)        # prefill pages wait this long for their READ
+    max_concurrent_requests: int = Field(256, ge=1)  # per ingress replica; beyond it: 503 overloaded
+    metrics_report_interval_s: float = Field(0.5, gt=0)
+
+    def engine_roles(self) -> tuple[str, ...]:
+        return ("aggregated",) if self.mode == "aggregated" else ("prefill", "decode")
+
+
+class HttpSettings(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+
+
+def _format(error: ValidationError, where: str) -> str:
+    lines = []
+    for e in error.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(root)"
+        lines.append(f"{where}{field}: {e['msg']}")
+    return "invalid service config: " + "; ".join(lines)
+
+
+def parse_service_config(data: dict | None, where: str = "") -> ServiceConfig:
+    """Validate a dict into a ServiceConfig; a ConfigError names every bad field by its dotted path."""
+    try:
+        return ServiceConfig.model_validate(data or {})
+    except ValidationError as e:
+        raise ConfigError(_format(e, where)) from None
+
+
+def load_config_file(path: str | Path) -> tuple[ServiceConfig, HttpSettings]:
+    """A Serve config YAML (``applications[0].args`` and ``http_options``) or a bare ServiceConfig YAML."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    if "applications" in data:
+        apps = data["applications"] or []
+        ours = [a for a in apps if a.get("import_path") == APP_IMPORT_PATH]
+        if len(ours) != 1:
+            raise ConfigError(f"{path}: expected one application with import_path {APP_IMPORT_PATH}")
+        service = parse_service_config(ours[0].get("args"), f"applications[{apps.index(ours[0])}].args.")
+        http = data.get("http_options") or {}
+        try:
+            http_settings = HttpSettings(**{k: http[k] for k in ("host", "port") if k in http})
+        except ValidationError as e:
+            raise ConfigError(_format(e, "http_options.")) from None
+        return service, http_settings
+    return parse_service_config(data), HttpSettings()

@@ -1,0 +1,107 @@
+"""The OpenAI request schemas, the error body, sampling-parameter checks and the chat template."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.sequence import SamplingParams
+
+
+class APIError(Exception):
+    """An error with its HTTP status; rendered as ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code if self.code is not None else self.status}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    # Unknown OpenAI fields (user, logprobs, ...) are ignored rather than refused, as clients send them.
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                        # 0 or -1: no top-k cut
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+
+
+class TextPart(BaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+
+MAX_N = 16
+
+
+def sampling_params(req: _SamplingFields, default_max_tokens: int) -> SamplingParams:
+    """The engine's SamplingParams; an invalid value raises a 400 APIError naming its field."""
+    max_tokens = req.max_tokens
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        max_tokens = req.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    if not 1 <= req.n <= MAX_N:
+        raise APIError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n")
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    checks = [("max_tokens", max_tokens >= 1, f"max_tokens must be >= 1, got {max_tokens}"),
+              ("temperature", 0 <= req.temperature <= 2, f"temperature must be in [0, 2], got {req.temperature}"),
+              ("top_p", 0 < req.top_p <= 1, f"top_p must be in (0, 1], got {req.top_p}"),
+              ("top_k", req.top_k >= -1, f"top_k must be -1, 0 or positive, got {req.top_k}"),
+              ("stop", all(stop) and len(stop) <= 4, "stop must be up to 4 non-empty strings")]
+    for param, ok, message in checks:
+        if not ok:
+            raise APIError(400, message, param=param)
+    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                          top_k=max(req.top_k, 0), seed=req.seed, stop=stop, ignore_eos=req.ignore_eos)
+
+
+def render_chat(messages: list[ChatMessage], template: str | None, special: dict[str, str]) -> str:
+    """The tokenizer config's Jinja chat template, or the plain default ``<role>: <content>`` lines."""
+    if not template:
+        return "".join(f"{m.role}: {m.text}\n" for m in messages) + "assistant:"
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(template).render(messages=[{"role": m.role, "content": m.text} for m in messages],
+                                            add_generation_prompt=True, **special)

@@ -1,0 +1,56 @@
+"""The prefill/decode router: one request's chunk stream, through one aggregated replica or a prefill then a decode.
+
+Serve's handles pick the replicas (power of two choices over queue lengths); the decode replica registers
+the prefill peer named in the ticket on first sight, so any decode replica can take any prefill's ticket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from engine.sequence import SamplingParams
+
+
+class Router:
+    def __init__(self, backends: dict, on_transfer=None):
+        self.backends = backends
+        self.disaggregated = "prefill" in backends
+        self.on_transfer = on_transfer        # called with the decode's transfer stats, or None on failure
+
+    async def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+                     ) -> AsyncIterator[dict]:
+        """Chunks (``token_chunk``/``error_chunk`` dicts); closing the iterator cancels the replica's work."""
+        if not self.disaggregated:
+            gen = self.backends["aggregated"].options(stream=True).generate.remote(request_id, prompt_token_ids,
+                                                                                  params)
+            async for chunk in _cancel_on_exit(gen):
+                yield chunk
+            return
+        # Awaiting the prefill can be cancelled by a disconnect: Serve then cancels the prefill call,
+        # whose replica aborts the request and frees its pages.
+        result = await self.backends["prefill"].prefill.remote(request_id, prompt_token_ids, params)
+        if "chunk" in result:
+            yield result["chunk"]
+            return
+        gen = self.backends["decode"].options(stream=True).decode.remote(result["ticket"], result["rank_infos"],
+                                                                        result["kv_manager"])
+        first = True
+        async for chunk in _cancel_on_exit(gen):
+            if first and self.on_transfer is not None:
+                if chunk["type"] == "tokens":
+                    self.on_transfer(chunk.get("transfer"))
+                elif chunk.get("error_type") == "transfer_error":
+                    self.on_transfer(None)
+            first = False
+            yield chunk
+
+
+async def _cancel_on_exit(gen) -> AsyncIterator[dict]:
+    finished = False
+    try:
+        async for chunk in gen:
+            yield chunk
+        finished = True
+    finally:
+        if not finished:
+            gen.cancel()

@@ -1,0 +1,259 @@
+"""The OpenAI-compatible service on a local Ray cluster: the disaggregated application over the tiny pair."""
+
+import json
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.ray
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+
+from engine.sequence import SamplingParams  # noqa: E402
+from serve_app.app import build_app  # noqa: E402
+from tests.test_serve_support import (free_port, metric_samples, metric_sum, service_args, wait_healthy,  # noqa: E402
+                                      write_tiny_pair)
+
+PROMPTS = ["Hello world", "The quick brown fox", "abc"]
+MAX_CONCURRENT = 3
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    return write_tiny_pair(tmp_path_factory.mktemp("serve_pair"))
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, tiny_pair):
+    """The disaggregated app (1 prefill + 1 decode) on 127.0.0.1:<free port>."""
+    target, drafter = tiny_pair
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(service_args(target, drafter, max_concurrent_requests=MAX_CONCURRENT)), name="dflash",
+              route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url)
+    yield url
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_pair):
+    from engine.llm import LLM
+
+    target, drafter = tiny_pair
+    return LLM(target, draft=drafter, num_pages=64)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def metrics(url: str) -> dict:
+    return metric_samples(httpx.get(f"{url}/metrics", timeout=30).text)
+
+
+def wait_pages_free(url: str, timeout_s: float = 10.0) -> float:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        in_use = metric_sum(metrics(url), "dflash_kv_pages_in_use")
+        if in_use == 0 or time.monotonic() > deadline:
+            return in_use
+        time.sleep(0.2)
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    if param is not None:
+        assert body["error"]["param"] == param
+    return body["error"]
+
+
+def assert_healthy_and_free(url: str) -> None:
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    assert wait_pages_free(url) == 0
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_greedy_completions_equal_the_offline_engine(client, offline):
+    expected = [o.text for o in offline.generate(PROMPTS, SamplingParams(max_tokens=20, ignore_eos=True))]
+    got = []
+    for prompt in PROMPTS:
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 20
+        spec = r.usage.model_extra["spec_decode"]
+        assert spec["num_drafts"] > 0 and spec["draft_tokens"] == 3 * spec["num_drafts"]
+        got.append(r.choices[0].text)
+    assert got == expected
+    streamed = []
+    for prompt in PROMPTS:
+        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True}))
+        assert chunks[-1].choices[0].finish_reason == "length"
+        streamed.append("".join(c.choices[0].text for c in chunks))
+    assert streamed == expected
+
+
+def test_greedy_chat_equals_the_offline_engine_on_the_chat_template(client, offline):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    rendered = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
+    expected = offline.generate([rendered], SamplingParams(max_tokens=12, ignore_eos=True))[0].text
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == expected
+    assert r.usage.prompt_tokens == len(offline.tokenizer.encode(rendered))
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_sse_stream_ends_with_done_and_token_id_prompts_work(server):
+    body = {"model": "tiny", "prompt": [5, 6, 7, 8, 9], "max_tokens": 5, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_n_choices_and_seeded_sampling(client):
+    r = client.completions.create(model="tiny", prompt="abc", max_tokens=8, temperature=1.0, seed=7, n=2,
+                                  extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1] and r.usage.completion_tokens == 16
+    again = client.completions.create(model="tiny", prompt="abc", max_tokens=8, temperature=1.0, seed=7, n=2,
+                                      extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi", "n": 0}, 400, "n"),
+    ({"prompt": "x" * 600}, 400, "prompt"),                       # over the 512-token context
+    ({"prompt": [1, 2, 999]}, 400, "prompt"),                      # outside the vocabulary
+    ({"prompt": "hi", "model": "no-such-model"}, 404, "model"),
+    ({"max_tokens": 4}, 422, "prompt"),                            # missing field
+    ({"prompt": "hi", "max_tokens": "many"}, 422, "max_tokens"),   # wrong type
+])
+def test_errors_have_the_openai_shape_and_leave_the_server_healthy(server, body, status, param):
+    r = httpx.post(f"{server}/v1/completions", json={"model": "tiny", **body}, timeout=60)
+    error = assert_error(r, status, param)
+    if status == 400 and param == "prompt" and "x" in str(body.get("prompt")):
+        assert error["code"] == "context_length_exceeded"
+    assert_healthy_and_free(server)
+
+
+def test_request_over_the_kv_pool_is_400_from_the_replica(server):
+    # 24 pages x 16 tokens: a prompt plus max_tokens within the 512-token context still overflows the pool.
+    r = httpx.post(f"{server}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 400,
+                                                     "stream": True}, timeout=60)
+    assert "KV pages" in assert_error(r, 400)["message"]
+    assert_healthy_and_free(server)
+
+
+def test_chat_schema_violation_is_422(server):
+    r = httpx.post(f"{server}/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "robot",
+                                                                                          "content": "x"}]})
+    assert_error(r, 422)
+    r = httpx.post(f"{server}/v1/chat/completions", json={"model": "tiny", "messages": []})
+    assert_error(r, 422, "messages")
+
+
+def test_overload_is_503_and_the_admitted_requests_finish(server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(2 * MAX_CONCURRENT) as pool:
+        codes = list(pool.map(lambda _: httpx.post(f"{server}/v1/completions", json=body, timeout=120),
+                              range(2 * MAX_CONCURRENT)))
+    assert sorted(r.status_code for r in codes).count(200) >= 1
+    overloaded = [r for r in codes if r.status_code == 503]
+    assert overloaded, [r.status_code for r in codes]
+    assert assert_error(overloaded[0], 503)["code"] == "overloaded"
+    assert {r.status_code for r in codes} <= {200, 503}
+    assert_healthy_and_free(server)
+
+
+def test_disconnect_mid_stream_aborts_and_frees_pages(server):
+    aborted = metric_sum(metrics(server), "dflash_request_success_total", finished_reason="abort")
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 350, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    for _ in range(2):
+        with httpx.Client(timeout=60) as c:
+            s = c.send(c.build_request("POST", f"{server}/v1/completions", json=body), stream=True)
+            assert s.status_code == 200
+            assert next(line for line in s.iter_lines() if line.startswith("data: "))     # streaming has begun
+            s.close()
+    deadline = time.monotonic() + 10
+    while metric_sum(metrics(server), "dflash_request_success_total", finished_reason="abort") < aborted + 2:
+        assert time.monotonic() < deadline, "the disconnected streams were not aborted"
+        time.sleep(0.2)
+    assert_healthy_and_free(server)
+
+
+def test_metrics_parse_and_counters_move_by_the_request(server, client):
+    before = metrics(server)
+    r = client.completions.create(model="tiny", prompt=[3, 4, 5, 6, 7, 8, 9], max_tokens=10, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    after = metrics(server)
+
+    def delta(name, **labels):
+        return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+    spec = r.usage.model_extra["spec_decode"]
+    assert delta("dflash_prompt_tokens_total") == 7
+    assert delta("dflash_generation_tokens_total") == 10
+    assert delta("dflash_request_success_total", finished_reason="length") == 1
+    assert delta("dflash_time_to_first_token_seconds_count") == 1
+    assert delta("dflash_e2e_request_latency_seconds_count") == 1
+    assert delta("dflash_kv_transfers_total") == 1
+    # 7 prompt tokens: one page, 2 target layers + 1 draft layer, 2 KV heads x 16 dims, K and V, float32.
+    assert delta("dflash_kv_transfer_bytes_total") == 16 * 3 * 2 * 2 * 16 * 4
+    assert delta("dflash_spec_decode_num_drafts_total") == spec["num_drafts"] > 0
+    assert delta("dflash_spec_decode_num_draft_tokens_total") == spec["draft_tokens"]
+    accepted = delta("dflash_spec_decode_num_accepted_tokens_total")
+    assert accepted == spec["accepted_tokens"]
+    assert sum(delta("dflash_spec_decode_num_accepted_tokens_per_pos_total", position=str(k))
+               for k in range(3)) == accepted
+    assert 1 + accepted / spec["num_drafts"] == pytest.approx(spec["mean_acceptance_length"])
+    roles = {dict(labels)["role"] for (name, labels) in after if name == "dflash_num_replicas"}
+    assert roles == {"prefill", "decode"}
+
+
+def test_health_and_requests_are_503_until_replicas_are_ready(server, tiny_pair):
+    """An app whose engine replica cannot be placed (it asks for a GPU): the ingress is up, no engine is."""
+    target, drafter = tiny_pair
+    args = service_args(target, drafter, mode="aggregated", aggregated={"num_gpus": 1}, app_name="cold")
+    serve._run(build_app(args), _blocking=False, name="cold", route_prefix="/cold")
+    try:
+        deadline = time.monotonic() + 120
+        while True:     # the proxy answers 404 until the cold app's ingress is up
+            try:
+                r = httpx.get(f"{server}/cold/health", timeout=10)
+                if r.status_code == 503 or time.monotonic() > deadline:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        assert_error(r, 503)
+        assert_error(httpx.post(f"{server}/cold/v1/completions", json={"model": "tiny", "prompt": "hi"},
+                                timeout=30), 503)
+    finally:
+        serve.delete("cold")

@@ -1,0 +1,92 @@
+"""Service config models: every cluster config loads through them, and a bad config names its field."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from serve_app.config import ConfigError, ServiceConfig, load_config_file, parse_service_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "cluster_configs"
+SERVE_CONFIGS = ["local_cpu.yaml", "agg_gpu.yaml", "disagg_1p1d_gpu.yaml", "disagg_2p1d_gpu.yaml"]
+
+
+def test_every_yaml_in_cluster_configs_parses():
+    files = sorted(CONFIGS.glob("*.yaml"))
+    assert {f.name for f in files} >= set(SERVE_CONFIGS) | {"ray_cluster_gpu.yaml", "rayservice_disagg.yaml"}
+    for f in files:
+        assert all(doc for doc in yaml.safe_load_all(f.read_text())), f
+
+
+@pytest.mark.parametrize("name,mode,prefill,decode", [
+    ("local_cpu.yaml", "disaggregated", 1, 1), ("agg_gpu.yaml", "aggregated", None, None),
+    ("disagg_1p1d_gpu.yaml", "disaggregated", 1, "auto"), ("disagg_2p1d_gpu.yaml", "disaggregated", 2, 1)])
+def test_serve_configs_load_through_the_service_models(name, mode, prefill, decode):
+    service, http = load_config_file(CONFIGS / name)
+    assert service.mode == mode
+    if prefill is not None:
+        assert service.prefill.serve_options()["num_replicas"] == prefill
+        assert service.decode.serve_options()["num_replicas"] == decode
+    if "gpu" in name:
+        assert service.model.device == "cuda" and http.host == "0.0.0.0"
+        assert service.model.kv_cache_dtype == "fp8" and service.model.draft_kv_cache_dtype == "bf16"
+    else:
+        assert http.host == "127.0.0.1" and http.port == 8000 and service.model.device == "cpu"
+
+
+def test_decode_autoscaling_reaches_serve_options():
+    service, _ = load_config_file(CONFIGS / "disagg_1p1d_gpu.yaml")
+    auto = service.decode.serve_options()["autoscaling_config"]
+    assert (auto["min_replicas"], auto["max_replicas"], auto["target_ongoing_requests"]) == (1, 4, 48)
+
+
+def test_rayservice_manifest_carries_a_valid_disaggregated_app():
+    manifest = yaml.safe_load((CONFIGS / "rayservice_disagg.yaml").read_text())
+    assert manifest["kind"] == "RayService"
+    serve_config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    app = serve_config["applications"][0]
+    assert app["import_path"] == "serve_app.app:build_app"
+    assert parse_service_config(app["args"]).mode == "disaggregated"
+
+
+def test_ray_cluster_yaml_has_gpu_workers():
+    cluster = yaml.safe_load((CONFIGS / "ray_cluster_gpu.yaml").read_text())
+    assert cluster["head_node_type"] in cluster["available_node_types"]
+    assert cluster["available_node_types"]["gpu_worker"]["max_workers"] >= 1
+
+
+@pytest.mark.parametrize("data,field", [
+    ({"model": {"page_size": 0}}, "model.page_size"),
+    ({"model": {"kv_cache_dtype": "int3"}}, "model.kv_cache_dtype"),
+    ({"model": {"tensor_parallel_size": 2}}, "tensor_parallel_size"),
+    ({"decode": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}}, "decode.autoscaling"),
+    ({"decode": {"num_replicas": 2, "autoscaling": {"max_replicas": 2}}}, "decode"),
+    ({"prefil": {}}, "prefil"),
+    ({"mode": "hybrid"}, "mode"),
+])
+def test_a_bad_config_names_the_field(data, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        parse_service_config(data)
+
+
+def test_a_bad_serve_config_file_names_the_app_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"applications": [{"name": "dflash", "import_path": "serve_app.app:build_app",
+                                                     "args": {"model": {"page_size": -1}}}]}))
+    with pytest.raises(ConfigError, match=r"applications\[0\]\.args\.model\.page_size"):
+        load_config_file(bad)
+
+
+def test_cli_up_with_a_bad_config_exits_2_naming_the_field(tmp_path, capsys):
+    from serve_app.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("decode: {max_ongoing_requests: 0}\n")
+    assert main(["up", "--config", str(bad)]) == 2
+    assert "decode.max_ongoing_requests" in capsys.readouterr().err
+
+
+def test_defaults_are_the_demo_pair_disaggregated():
+    service = ServiceConfig()
+    assert service.mode == "disaggregated" and service.model.model.endswith("models/demo/target")
+    assert service.engine_roles() == ("prefill", "decode")

@@ -1,0 +1,91 @@
+"""Helpers for the serve tests (no tests here): a tiny checkpoint with a tokenizer, a free port, a Serve app."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import httpx
+
+from tests import checkpoints
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_char_tokenizer(model_dir: Path) -> None:
+    """A character-level tokenizer (specials, newline, printable ASCII: 100 ids, below the drafter's mask 127)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = ["\n"] + [chr(c) for c in range(32, 127)]
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|endoftext|>", "chat_template": CHATML}))
+
+
+def write_tiny_pair(root: Path) -> tuple[Path, Path]:
+    target = checkpoints.write_tiny_qwen3(root / "target")
+    write_char_tokenizer(target)
+    drafter = checkpoints.write_tiny_drafter(root / "drafter")
+    return target, drafter
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def service_args(target: Path, drafter: Path, mode: str = "disaggregated", **overrides) -> dict:
+    """A ServiceConfig dict for the tiny pair: small CPU shares, fast metric reports."""
+    engine = {"num_cpus": 0.25}
+    args = {"mode": mode, "model": {"model": str(target), "draft": str(drafter), "served_model_name": "tiny",
+                                    "num_pages": 24, "max_model_len": 512},
+            "ingress": {"num_replicas": 1, "num_cpus": 0.1, "max_ongoing_requests": 256},
+            "aggregated": dict(engine), "prefill": dict(engine), "decode": dict(engine),
+            "metrics_report_interval_s": 0.2}
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(args.get(key), dict):
+            args[key] = {**args[key], **value}
+        else:
+            args[key] = value
+    return args
+
+
+def wait_healthy(url: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(f"{url}/health", timeout=5)
+            if r.status_code == 200:
+                return
+            last = r.text
+        except httpx.HTTPError as e:
+            last = repr(e)
+        time.sleep(0.2)
+    raise TimeoutError(f"{url}/health never turned ready: {last}")
+
+
+def metric_samples(text: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of a /metrics page parsed by prometheus_client: (name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def metric_sum(samples: dict, name: str, **labels) -> float:
+    return sum(v for (n, ls), v in samples.items() if n == name and all(dict(ls).get(k) == v2
+                                                                          for k, v2 in labels.items()))

@@ -1,0 +1,84 @@
+"""``dflash-serve up`` as a subprocess: health turns ready, a request succeeds, SIGINT stops everything."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.test_serve_support import free_port, service_args, wait_healthy, write_tiny_pair
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from /proc: the Ray head, raylet and workers it started)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, stack = set(), [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_up_serves_until_sigint_and_leaves_no_ray_processes(tmp_path):
+    target, drafter = write_tiny_pair(tmp_path / "pair")
+    port = free_port()
+    config = {"http_options": {"host": "127.0.0.1", "port": port},
+              "applications": [{"name": "dflash", "route_prefix": "/", "import_path": "serve_app.app:build_app",
+                                "args": service_args(target, drafter)}]}
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.Popen([sys.executable, "-m", "serve_app.cli", "up", "--config", str(path)], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        wait_healthy(url, timeout_s=180)
+        deadline = time.monotonic() + 30
+        while not any(f"at {url}" in line for line in lines):     # `up` printed its URL: it is serving
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)[-3000:]
+            time.sleep(0.2)
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        ray_processes = descendants(proc.pid)
+        assert len(ray_processes) >= 3          # at least the GCS, the raylet and a replica worker
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(timeout=10)
+    assert proc.returncode == 0, "".join(lines)[-3000:]
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in ray_processes) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [p for p in ray_processes if alive(p)], "Ray processes outlived `dflash-serve up`"
