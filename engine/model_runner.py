@@ -55,6 +55,17 @@ def build_metadata(kv: KVCacheManager, space: int, rows: Sequence[Row], *, causa
     return torch.tensor(positions, dtype=torch.int64, device=device), meta
 
 
+def layer_kv_of(kv: KVCacheManager, owner: LayerOwner, num_layers: int) -> list[LayerKV]:
+    """The cache views and scales of an owner's layers, wherever the manager placed them."""
+    pool = kv.pools[kv.space_of(owner)]
+    layers = []
+    for i in range(num_layers):
+        k, v = pool.kv_views(owner, i)
+        scale = pool.spec(owner, i).scale
+        layers.append(LayerKV(k, v, scale, scale))
+    return layers
+
+
 class ModelRunner:
     """Owns the target model and its layers' cache views; one call runs one step's target forward."""
 
@@ -64,12 +75,7 @@ class ModelRunner:
         self.backend = backend
         self.device = model.device
         self.target_space = kv.space_of(LayerOwner.TARGET)
-        pool = kv.pools[self.target_space]
-        self.layer_kv = []
-        for i in range(model.config.num_hidden_layers):
-            k, v = pool.kv_views(LayerOwner.TARGET, i)
-            scale = pool.spec(LayerOwner.TARGET, i).scale
-            self.layer_kv.append(LayerKV(k, v, scale, scale))
+        self.layer_kv = layer_kv_of(kv, LayerOwner.TARGET, model.config.num_hidden_layers)
 
     @torch.inference_mode()
     def run(self, rows: Sequence[Row], token_ids: Sequence[int], logit_rows: Sequence[int],

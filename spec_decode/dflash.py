@@ -7,8 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.llm_engine import Proposal
-from engine.model import LayerKV
-from engine.model_runner import Row, build_metadata
+from engine.model_runner import Row, build_metadata, layer_kv_of
 from engine.sampler import probabilities, sample_from
 from engine.scheduler import ScheduledRequest
 from engine.sequence import Request
@@ -36,12 +35,7 @@ class DFlashSpeculator:
         self.num_spec_tokens = k
         self.capture_layers = drafter.target_layer_ids
         self.space = kv.space_of(LayerOwner.DRAFT)
-        pool = kv.pools[self.space]
-        self.layer_kv = []
-        for i in range(drafter.config.num_hidden_layers):
-            k_view, v_view = pool.kv_views(LayerOwner.DRAFT, i)
-            scale = pool.spec(LayerOwner.DRAFT, i).scale
-            self.layer_kv.append(LayerKV(k_view, v_view, scale, scale))
+        self.layer_kv = layer_kv_of(kv, LayerOwner.DRAFT, drafter.config.num_hidden_layers)
 
     @torch.inference_mode()
     def draft_logits(self, requests: Sequence[Request], num_drafts: int) -> torch.Tensor:
