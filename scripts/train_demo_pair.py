@@ -4,12 +4,14 @@
     python scripts/train_demo_pair.py --out models/demo [--device cuda|cpu] [--preset demo|smoke]
 
 Writes <out>/target (Hugging Face Qwen3 dir), <out>/drafter (z-lab DFlash dir), <out>/train.log and
-<out>/metrics.json, and the held-out prompts to --prompts.
+<out>/metrics.json, and the held-out prompts to --prompts. Side modes: --eval-only re-measures acceptance of a
+trained pair, --time-steps projects the preset's cost on a device from a few timed steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -35,9 +37,22 @@ def parse_args() -> argparse.Namespace:
                         help="where the held-out prompts go (default <out>/heldout.jsonl)")
     parser.add_argument("--target-from", type=Path, default=None,
                         help="reuse a trained target dir (and its tokenizer) and train only the drafter")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a preset field, e.g. --set drafter_time_budget_s=30 (repeatable)")
+    parser.add_argument("--eval-only", action="store_true",
+                        help="only measure acceptance of the pair already in <out> on the --prompts file")
     parser.add_argument("--time-steps", type=int, default=0,
                         help="only time this many training steps of each model on --device and project the preset")
     return parser.parse_args()
+
+
+def apply_overrides(preset: T.Preset, overrides: list[str]) -> T.Preset:
+    changes = {}
+    for item in overrides:
+        field, _, value = item.partition("=")
+        current = getattr(preset, field)      # AttributeError names an unknown field
+        changes[field] = tuple(int(v) for v in value.split(",")) if isinstance(current, tuple) else type(current)(value)
+    return dataclasses.replace(preset, **changes)
 
 
 def load_or_build_corpus(path: Path, log) -> list[dict]:
@@ -104,20 +119,39 @@ def time_steps(preset: T.Preset, device: torch.device, steps: int, log) -> None:
         f"= {drafter_step * preset.drafter_max_steps / 60:.0f} min")
 
 
+def evaluate_saved(args: argparse.Namespace, preset: T.Preset, device: torch.device, log) -> None:
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_file(str(args.out / "target" / "tokenizer.json"))
+    prompts_path = args.prompts or args.out / "heldout.jsonl"
+    prompts = [json.loads(line)["prompt"] for line in prompts_path.read_text().splitlines()]
+    target = T.load_target(args.out / "target", device)
+    drafter = T.load_drafter(args.out / "drafter", device)
+    prompt_ids = [tokenizer.encode(p, add_special_tokens=False).ids for p in prompts[:preset.num_eval_prompts]]
+    acceptance = T.evaluate_acceptance(target, drafter, prompt_ids, preset.eval_new_tokens, log)
+    log(f"acceptance: {json.dumps(acceptance)}")
+
+
 def main() -> None:
     args = parse_args()
-    preset = T.PRESETS[args.preset]
+    preset = apply_overrides(T.PRESETS[args.preset], args.set)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(0)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     args.out.mkdir(parents=True, exist_ok=True)
-    log = T.RunLog(args.out / "train.log")
+    # The side modes log beside a trained pair without overwriting its train.log.
+    log_name = "eval.log" if args.eval_only else "timing.log" if args.time_steps else "train.log"
+    log = T.RunLog(args.out / log_name)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()}"
+    if args.set:
+        log(f"preset overrides: {args.set}")
     log(f"preset {preset.name} on {where}; torch {torch.__version__}, python {sys.version.split()[0]}")
     if args.time_steps:
         time_steps(preset, device, args.time_steps, log)
+        return
+    if args.eval_only:
+        evaluate_saved(args, preset, device, log)
         return
     metrics: dict = {"preset": preset.name, "device": where}
     run_start = time.perf_counter()
