@@ -184,19 +184,15 @@ def test_failed_transfer_fails_the_request_and_frees_both_sides(tiny):
 
 
 # --- the demo pair: acceptance that means something ---------------------------------------------------------
-DEMO_PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a small village,",
-    "List three prime numbers:",
-]
+def demo_prompts(n=4):
+    """Held-out source snippets (modules the demo pair never trained on)."""
+    lines = (DEMO.parents[1] / "benchmarks" / "prompts" / "heldout.jsonl").read_text().splitlines()
+    return [json.loads(line)["prompt"] for line in lines[:n]]
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def demo(request, ray_cluster):
-    if not (DEMO / "target").is_dir() or not (DEMO / "drafter").is_dir():
-        pytest.skip(f"the demo pair is missing ({DEMO}/target, {DEMO}/drafter); a random drafter's AL is ~1.0, "
-                    "so these tests need the trained pair")
+    assert (DEMO / "target").is_dir() and (DEMO / "drafter").is_dir(), f"the bundled demo pair is missing: {DEMO}"
     target_kv, draft_kv = LAYOUTS[request.param]
     stack = Stack(EngineConfig(model=str(DEMO / "target"), draft=str(DEMO / "drafter"), num_pages=256,
                                kv_cache_dtype=target_kv, draft_kv_cache_dtype=draft_kv))
@@ -206,7 +202,7 @@ def demo(request, ray_cluster):
 
 def demo_requests(tag):
     from actors.offline import encode_prompts
-    return requests(encode_prompts(str(DEMO / "target"), DEMO_PROMPTS), max_tokens=48, tag=tag)
+    return requests(encode_prompts(str(DEMO / "target"), demo_prompts()), max_tokens=48, tag=tag)
 
 
 def test_demo_disaggregated_acceptance_equals_aggregated(demo):
@@ -215,7 +211,7 @@ def test_demo_disaggregated_acceptance_equals_aggregated(demo):
     disagg, _ = run_disaggregated(demo.prefill, demo.decode, reqs)
     assert [o.token_ids for o in disagg] == [o.token_ids for o in agg]
     assert [o.acceptance_lengths for o in disagg] == [o.acceptance_lengths for o in agg]
-    assert sum(o.mean_acceptance_length for o in agg) / len(agg) > 1.5     # a trained drafter, not a random one
+    assert sum(o.mean_acceptance_length for o in agg) / len(agg) > 2.0     # a trained drafter, not a random one
 
 
 def test_demo_ablation_lowers_acceptance_and_stays_lossless(demo):

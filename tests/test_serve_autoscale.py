@@ -16,7 +16,8 @@ from tests.test_serve_support import free_port, service_args, wait_healthy, writ
 
 MIN_DECODE, MAX_DECODE = 1, 2
 FAST = {"min_replicas": MIN_DECODE, "max_replicas": MAX_DECODE, "target_ongoing_requests": 1,
-        "upscale_delay_s": 0.5, "downscale_delay_s": 3.0, "look_back_period_s": 1.0}
+        "upscale_delay_s": 0.5, "downscale_delay_s": 3.0, "look_back_period_s": 1.0,
+        "metrics_interval_s": 0.5}
 
 
 @pytest.fixture(scope="module")
