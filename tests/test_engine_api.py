@@ -1,0 +1,100 @@
+"""The offline API's edges: sharded checkpoints, stop conditions, sampling filters, and the CLI."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.sampler import probabilities, sample
+
+DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tmp_path, tiny_target):
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
+    prompts = [[1, 2, 3, 4], [7, 7, 7, 7, 7, 7]]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    a = LLM(tiny_target).generate(prompts, params)
+    b = LLM(tmp_path / "sharded").generate(prompts, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+def test_eos_stops_and_ignore_eos_continues(tiny_target, tmp_path):
+    # Make the greedy continuation's third token the EOS id of a copy of the checkpoint.
+    llm = LLM(tiny_target)
+    free = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    config = json.loads((tiny_target / "config.json").read_text())
+    copy = tmp_path / "eos"
+    copy.mkdir()
+    (copy / "model.safetensors").symlink_to(tiny_target / "model.safetensors")
+    (copy / "config.json").write_text(json.dumps({**config, "eos_token_id": free[2]}))
+    stopped = LLM(copy).generate([[1, 2, 3]], SamplingParams(max_tokens=8))[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free[:free.index(free[2]) + 1]
+    kept = LLM(copy).generate([[1, 2, 3]], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert kept.finish_reason == "length" and kept.token_ids == free
+
+
+def test_stop_string_truncates_text_and_frees_pages():
+    llm = LLM(DEMO / "target", draft=DEMO / "drafter")
+    prompt = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n"
+    free = llm.generate([prompt], SamplingParams(max_tokens=48, ignore_eos=True))[0]
+    assert "\n" in free.text.strip("\n")
+    stop = free.text.strip("\n").split("\n")[0][-3:]           # the end of the first generated line
+    out = llm.generate([prompt], SamplingParams(max_tokens=48, stop=(stop,), ignore_eos=True))[0]
+    assert out.finish_reason == "stop"
+    assert stop not in out.text and free.text.startswith(out.text)
+    assert len(out.token_ids) < len(free.token_ids)
+    assert llm.engine.kv.pages_in_use() == 0
+
+
+def test_top_k_and_top_p_keep_only_their_tokens():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]])
+    p = probabilities(logits, SamplingParams(temperature=1.0, top_k=2))[0]
+    assert (p[2:] == 0).all() and torch.isclose(p[:2].sum(), torch.tensor(1.0))
+    probs = logits.softmax(-1)[0]
+    p = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.9))[0]
+    kept = int((p > 0).sum())
+    assert probs[:kept - 1].sum() < 0.9 <= probs[:kept].sum()     # the smallest prefix reaching top_p
+    cold = probabilities(logits, SamplingParams(temperature=0.25))[0]
+    assert cold[0] > probs[0]                                     # lower temperature sharpens
+    g = torch.Generator().manual_seed(0)
+    draws = [sample(logits, [SamplingParams(temperature=1.0, top_k=3, seed=1)], [g])[0] for _ in range(300)]
+    assert set(draws) <= {0, 1, 2} and len(set(draws)) == 3
+
+
+def test_same_seed_same_output_different_seed_different_output(tiny_target):
+    llm = LLM(tiny_target)
+
+    def run(seed):
+        return llm.generate([[5, 6, 7]], SamplingParams(max_tokens=24, temperature=1.0, seed=seed,
+                                                       ignore_eos=True))[0].token_ids
+    assert run(3) == run(3) != run(4)
+
+
+@pytest.mark.parametrize("draft", [True, False])
+def test_cli_generate_json(draft):
+    cmd = [sys.executable, "-m", "serve_app.cli", "generate", "--prompt", "import os\n", "--max-tokens", "12",
+           "--ignore-eos", "--json"] + ([] if draft else ["--no-draft"])
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(record["token_ids"]) == 12 and record["finish_reason"] == "length" and record["text"]
+    assert ("acceptance_lengths" in record) == draft
+    if draft:
+        assert record["mean_acceptance_length"] == pytest.approx(
+            sum(record["acceptance_lengths"]) / len(record["acceptance_lengths"]))
+
+
+def test_cli_reports_bad_input_clearly(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "serve_app.cli", "generate", "--model", str(tmp_path / "nope"),
+                           "--prompt", "x"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "does not exist" in done.stderr
