@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -75,6 +76,12 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     service, host, port = _service_from_args(args)
     _check_checkpoints(service)
+    # SIGINT and SIGTERM both shut down cleanly, also when started from a shell that ignores SIGINT in
+    # background jobs (Python keeps an inherited SIG_IGN, so Ctrl-C's signal would do nothing).
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
     env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
     address = os.environ.get("RAY_ADDRESS")
     if address:
