@@ -119,11 +119,11 @@ def mean_al(outputs) -> float:
     return round(sum(steps) / len(steps), 3) if steps else float("nan")
 
 
-def serving(model: str, draft: str, layouts: dict, max_tokens: int) -> dict:
+def serving(model: str, draft: str, layouts: dict, max_tokens: int, prompts: list[str]) -> dict:
     """Per KV layout: TTFT aggregated vs disaggregated (with the transfer's share) and mean AL three ways."""
     results = {}
     try:
-        prompt_ids = encode_prompts(model, PROMPTS)
+        prompt_ids = encode_prompts(model, prompts)
     except ValueError:
         prompt_ids = [[(7 * i + 3 * j) % 120 + 1 for j in range(8 + 9 * i)] for i in range(len(PROMPTS))]
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -147,10 +147,13 @@ def serving(model: str, draft: str, layouts: dict, max_tokens: int) -> dict:
                 dis_prefill.append(timings.prefill_s)
                 dis_move.append(timings.transfer_s[0])
                 dis_read.append(timings.read_s[0])
-            agg_out = agg.generate(requests)
-            with_draft, _ = run_disaggregated(prefill, decode, requests)
+            # One request at a time in every mode, so each step runs on the same batch shapes everywhere.
+            # (Batched, the aggregated engine mixes decode rows with other prompts' prefill chunks while the
+            # decode replica does not; with an FP8 target cache that changes rounding and so tokens.)
+            agg_out = [agg.generate([r])[0] for r in requests]
+            with_draft = [run_disaggregated(prefill, decode, [r])[0][0] for r in requests]
             decode.transfer_draft_kv = False
-            without, _ = run_disaggregated(prefill, decode, [(f"abl-{r}", ids, p) for r, ids, p in requests])
+            without = [run_disaggregated(prefill, decode, [(f"abl-{r}", ids, p)])[0][0] for r, ids, p in requests]
             decode.transfer_draft_kv = True
             pings = {}
             for label, actor in (("worker", decode.group.worker), ("kv_manager", decode.group.kv_manager)):
@@ -196,7 +199,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--prompt-file", help="JSON lines with a 'prompt' field (e.g. benchmarks/prompts/heldout.jsonl)")
+    parser.add_argument("--num-prompts", type=int, default=8)
     args = parser.parse_args()
+    prompts = PROMPTS
+    if args.prompt_file:
+        lines = Path(args.prompt_file).read_text().splitlines()
+        prompts = [json.loads(line)["prompt"] for line in lines if line.strip()][:args.num_prompts]
     if args.model:
         model, draft, pair = args.model, args.draft, "given"
     elif (DEMO / "target").is_dir() and (DEMO / "drafter").is_dir():
@@ -207,7 +216,7 @@ def main() -> None:
     try:
         results = {"pair": pair, "bandwidth": bandwidth(args.pages, args.repeats),
                    "serving": serving(model, draft, {"fp8-bf16": ("fp8", "bf16"), "bf16-bf16": ("bf16", "bf16")},
-                                      args.max_tokens)}
+                                      args.max_tokens, prompts)}
     finally:
         ray.shutdown()
     text = json.dumps(results, indent=1)
