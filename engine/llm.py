@@ -120,9 +120,8 @@ def build_engine_from_model(model: Qwen3Model, config: EngineConfig, allocate: B
 class LLM:
     """Offline batch generation over one engine."""
 
-    def __init__(self, model: str | Path, **kwargs):
-        self.config = EngineConfig(model=str(model), **{k: (str(v) if k == "draft" and v is not None else v)
-                                                         for k, v in kwargs.items()})
+    def __init__(self, model: str | Path, draft: str | Path | None = None, **kwargs):
+        self.config = EngineConfig(model=str(model), draft=None if draft is None else str(draft), **kwargs)
         self.engine = build_engine(self.config)
 
     @property

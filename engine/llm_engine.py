@@ -301,7 +301,8 @@ class LLMEngine:
             reason = None
             if token in self.eos_token_ids and not r.params.ignore_eos:
                 reason = "stop"
-            elif r.params.stop and self._stop_index(r) is not None:
+            elif r.params.stop and self.tokenizer is not None and \
+                    _stop_index(self.tokenizer.decode(r.output_token_ids), r.params.stop) is not None:
                 reason = "stop"
             elif len(r.output_token_ids) >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
                 reason = "length"
@@ -313,18 +314,16 @@ class LLMEngine:
         r.num_draft_context = min(r.num_draft_context, r.num_computed_tokens)
         return appended
 
-    def _stop_index(self, r: Request) -> int | None:
-        if self.tokenizer is None:
-            return None
-        text = self.tokenizer.decode(r.output_token_ids)
-        hits = [text.find(s) for s in r.params.stop if s in text]
-        return min(hits) if hits else None
-
     def _output(self, r: Request, appended: list[int]) -> RequestOutput:
         if self.tokenizer is not None:
-            r.output_text = self.tokenizer.decode(r.output_token_ids)
-            cut = self._stop_index(r) if r.params.stop else None
-            if cut is not None:
-                r.output_text = r.output_text[:cut]
+            text = self.tokenizer.decode(r.output_token_ids)
+            cut = _stop_index(text, r.params.stop)
+            r.output_text = text if cut is None else text[:cut]
         return RequestOutput(r.request_id, r.prompt_token_ids, list(r.output_token_ids), r.output_text,
                              r.finished, r.finish_reason, r.num_cached_tokens, r.spec, appended)
+
+
+def _stop_index(text: str, stops: Sequence[str]) -> int | None:
+    """Where the earliest stop string begins in ``text`` (None if none occurs)."""
+    hits = [text.find(s) for s in stops if s in text]
+    return min(hits) if hits else None

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 import yaml
 
 from tests.test_serve_support import free_port, service_args, wait_healthy, write_tiny_pair
