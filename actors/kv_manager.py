@@ -1,42 +1,70 @@
-"""Per rank: the actor that owns the rank's pool memory, its NIXL agent, peer checks, READs, and held-page frees."""
+"""Per rank: the actor that owns the rank's pool memory, its NIXL agent, peer checks, READs, and held-page leases.
+
+An async actor: every method runs on its event loop, so nothing here needs a lock, and an idle manager
+sleeps in that loop (no polling thread, no NIXL progress thread).
+
+Prefill side, a lease per held request: ``hold`` -> HELD (expires after the hold timeout) -> ``begin_read``
+by the decode peer -> READING (cannot expire while the READ runs, beyond a generous deadline for a peer
+that died mid-READ) -> ``end_read`` -> released. A lease that expired or was cancelled refuses
+``begin_read``, so a READ never copies pages that were freed (and maybe reused). Released requests reach
+the replica through ``wait_released``, a call that returns when there are some.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import enum
+import itertools
 import logging
-import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from actors.memory import SegmentAllocator, SharedSegments
-from actors.nixl_transfer import (READ_CANCELLED, READ_DONE, HeldPagesBook, NixlEndpoint, TransferError,
-                                  notification, owners_for, parse_notification)
+from actors.nixl_transfer import NixlEndpoint, TransferError, owners_for
 from kv.pool import KVPool
 from kv.spec import KVLayerSpec
 
 log = logging.getLogger(__name__)
 
 
+class LeaseState(enum.Enum):
+    HELD = "held"
+    READING = "reading"
+
+
+@dataclass
+class Lease:
+    request_id: str
+    state: LeaseState
+    timer: asyncio.TimerHandle
+    cancel_after_read: bool = False
+
+
 class KVManagerActor:
     """Allocates the rank's segments, mirrors the worker's pools over them, and moves pages with NIXL.
 
-    The page allocator stays in the worker's engine: this actor tells the worker which held request to
-    release when a peer's READ notification arrives, the peer cancels, or the hold times out.
+    The page allocator stays in the worker's engine: this actor only says which held requests to release.
     """
 
     def __init__(self, name: str, *, device: str = "cpu", tp_size: int = 1, tp_rank: int = 0,
-                 hold_timeout_s: float = 30.0, poll_interval_s: float = 0.002, num_threads: int = 1):
+                 hold_timeout_s: float = 30.0, read_deadline_s: float = 120.0, num_threads: int = 1,
+                 read_delay_s: float = 0.0):
         torch.set_num_threads(num_threads)
         self.name = name
         self.tp_size, self.tp_rank = tp_size, tp_rank
         self.segments = SharedSegments(device, prefix=f"dflash-{name}")
-        self.held = HeldPagesBook(hold_timeout_s)
-        self.poll_interval_s = poll_interval_s
+        self.hold_timeout_s = hold_timeout_s
+        self.read_deadline_s = read_deadline_s
+        self.read_delay_s = read_delay_s       # > 0 only in tests: holds each READ open (a slow transfer)
         self.endpoint: NixlEndpoint | None = None
-        self.worker = None
-        self._stop = threading.Event()
-        self._poller: threading.Thread | None = None
+        self._leases: dict[str, Lease] = {}
+        self._lease_ids = itertools.count()
+        self._released: list[str] = []
+        self._released_event = asyncio.Event()
+        self.counts = {"read": 0, "timed_out": 0, "cancelled": 0, "refused": 0}
 
     def ping(self) -> float:
         return time.monotonic()
@@ -45,16 +73,13 @@ class KVManagerActor:
     def create_segment(self, nbytes: int):
         return self.segments.create(nbytes)
 
-    def attach(self, worker, spaces: Sequence[Sequence[KVLayerSpec]], page_size: int, num_pages: Sequence[int]) -> str:
+    def attach(self, spaces: Sequence[Sequence[KVLayerSpec]], page_size: int, num_pages: Sequence[int]) -> str:
         """The worker built its pools over our segments: mirror them, register with NIXL, return RankInfo JSON."""
         allocate = SegmentAllocator(self.segments.tensors)
         device = self.segments.device
         pools = [KVPool(specs, page_size, n, device, allocate) for specs, n in zip(spaces, num_pages)]
         self.segments.unlink()     # both processes have mapped them; nothing is left in /dev/shm on a crash
-        self.worker = worker
         self.endpoint = NixlEndpoint(self.name, pools, tp_size=self.tp_size, tp_rank=self.tp_rank)
-        self._poller = threading.Thread(target=self._poll, name=f"{self.name}-notifs", daemon=True)
-        self._poller.start()
         return self.endpoint.rank_info.to_json()
 
     def rank_info(self) -> str:
@@ -65,67 +90,91 @@ class KVManagerActor:
         """Check and add a peer (raises PeerMismatchError naming both values); returns its agent name."""
         return self.endpoint.add_peer(payload)
 
-    # --- prefill side: held pages ---------------------------------------------------------------
-    def hold(self, request_ids: Sequence[str], timeout_s: float | None = None) -> None:
-        """The worker holds these requests' pages for a peer; free them on its READ notification or timeout.
+    # --- prefill side: leases on held pages ------------------------------------------------------
+    async def hold(self, request_id: str, timeout_s: float | None = None) -> str:
+        """Hold a finished prefill's pages for a peer; returns the lease id the peer's READ must present."""
+        lease_id = f"{request_id}#{next(self._lease_ids)}"
+        timer = asyncio.get_running_loop().call_later(timeout_s or self.hold_timeout_s, self._expire, lease_id)
+        self._leases[lease_id] = Lease(request_id, LeaseState.HELD, timer)
+        return lease_id
 
-        Called before the peer learns of the requests, so a notification never precedes its hold.
-        """
-        for request_id in request_ids:
-            self.held.hold(request_id, timeout_s)
-
-    def cancel(self, request_id: str) -> bool:
-        """Free a held request's pages now (the prefill replica gave up on it)."""
-        return self._release(request_id, READ_CANCELLED)
-
-    def num_held(self) -> int:
-        return len(self.held)
-
-    def hold_stats(self) -> dict:
-        return {"held": len(self.held), "read": self.held.num_read, "timed_out": self.held.num_timed_out,
-                "cancelled": self.held.num_cancelled}
-
-    def _release(self, request_id: str, reason: str) -> bool:
-        if not self.held.done(request_id, reason):
+    async def begin_read(self, lease_id: str) -> bool:
+        """A peer is about to READ this lease's pages: True while it is held (then it cannot expire)."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.state != LeaseState.HELD:
+            self.counts["refused"] += 1
             return False
-        if reason != READ_DONE:
-            log.warning("%s: freeing held pages of %s (%s)", self.name, request_id, reason)
-        self.worker.release.remote(request_id)
+        lease.timer.cancel()
+        lease.state = LeaseState.READING
+        # Only for a reader that dies mid-READ: its own READ timeout is far shorter.
+        lease.timer = asyncio.get_running_loop().call_later(self.read_deadline_s, self._expire, lease_id)
         return True
 
-    def _poll(self) -> None:
-        """Background: READ notifications and hold deadlines free prefill pages off the request path."""
-        while not self._stop.wait(self.poll_interval_s):
-            try:
-                for msg in self.endpoint.notifications():
-                    kind, request_id = parse_notification(msg)
-                    self._release(request_id, kind)
-                for request_id in self.held.expired():
-                    self._release(request_id, "timeout")
-            except Exception:       # keep polling: one bad message must not leak every later request's pages
-                log.exception("%s: notification poller", self.name)
+    async def end_read(self, lease_id: str) -> None:
+        """The peer's READ has ended (done or failed): the pages are free to go."""
+        lease = self._leases.get(lease_id)
+        if lease is not None and lease.state == LeaseState.READING:
+            self._release(lease_id, "cancelled" if lease.cancel_after_read else "read")
+
+    async def cancel(self, lease_id: str) -> bool:
+        """Give up a lease: freed now if held, after the READ if one is running."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return False
+        if lease.state == LeaseState.READING:
+            lease.cancel_after_read = True
+        else:
+            self._release(lease_id, "cancelled")
+        return True
+
+    def _expire(self, lease_id: str) -> None:
+        if lease_id in self._leases:
+            log.warning("%s: lease %s expired unread; freeing its pages", self.name, lease_id)
+            self._release(lease_id, "timed_out")
+
+    def _release(self, lease_id: str, reason: str) -> None:
+        lease = self._leases.pop(lease_id)
+        lease.timer.cancel()
+        self.counts[reason] += 1
+        self._released.append(lease.request_id)
+        self._released_event.set()
+
+    async def wait_released(self) -> list[str]:
+        """Request ids whose held pages the replica must free now; waits until there is at least one."""
+        while not self._released:
+            self._released_event.clear()
+            await self._released_event.wait()
+        released, self._released = self._released, []
+        return released
+
+    def hold_stats(self) -> dict:
+        return {"held": sum(lease.state == LeaseState.HELD for lease in self._leases.values()),
+                "reading": sum(lease.state == LeaseState.READING for lease in self._leases.values()),
+                **self.counts}
 
     # --- decode side: READ ----------------------------------------------------------------------
-    def read(self, request_id: str, peer_name: str, remote_tables: list[list[int]], local_tables: list[list[int]],
-             transfer_draft_kv: bool = True, timeout_s: float = 10.0) -> dict:
-        """READ one request's pages from the peer; returns ``{"bytes", "seconds"}`` or raises TransferError."""
+    async def read(self, lease_id: str, peer_kv_manager, peer_name: str, remote_tables: list[list[int]],
+                   local_tables: list[list[int]], transfer_draft_kv: bool = True, timeout_s: float = 10.0) -> dict:
+        """READ one request's pages from the peer under its lease; returns stats or raises TransferError.
+
+        Returns or raises only once the READ can no longer write into ``local_tables``.
+        """
         start = time.perf_counter()
+        if not await peer_kv_manager.begin_read.remote(lease_id):
+            raise TransferError(f"the prefill hold {lease_id} at {peer_name} expired or was cancelled before "
+                                "its READ")
         try:
-            nbytes = self.endpoint.read(peer_name, remote_tables, local_tables, owners_for(transfer_draft_kv),
-                                        notification(READ_DONE, request_id), timeout_s)
-        except TransferError:
-            # Tell the prefill rank to free its pages now; if even this cannot reach it, its hold times out.
-            try:
-                self.endpoint.send(peer_name, notification(READ_CANCELLED, request_id))
-            except Exception:
-                log.exception("%s: could not cancel %s at %s", self.name, request_id, peer_name)
-            raise
-        return {"bytes": nbytes, "seconds": time.perf_counter() - start}
+            nbytes, descriptors = await self.endpoint.read(peer_name, remote_tables, local_tables,
+                                                           owners_for(transfer_draft_kv), timeout_s,
+                                                           self.read_delay_s)
+        finally:
+            peer_kv_manager.end_read.remote(lease_id)
+        return {"bytes": nbytes, "descriptors": descriptors, "seconds": time.perf_counter() - start}
 
     def close(self) -> None:
-        self._stop.set()
-        if self._poller is not None:
-            self._poller.join(timeout=1.0)
+        for lease in self._leases.values():
+            lease.timer.cancel()
+        self._leases.clear()
         if self.endpoint is not None:
             self.endpoint.close()
         self.segments.close()

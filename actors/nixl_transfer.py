@@ -1,11 +1,15 @@
-"""A rank's NIXL agent (UCX backend): pool registration, peer registration, page READs, and held-page bookkeeping."""
+"""A rank's NIXL agent (UCX backend): pool registration, peer registration and page READs.
+
+The agent runs without NIXL's progress thread (it spins a core) and with UCX error handling off, so a
+READ needs no progress from the side it reads: the prefill rank stays idle while a decode rank READs.
+The reader drives progress by polling its transfer, backing off, from its own event loop.
+"""
 
 from __future__ import annotations
 
-import threading
+import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from kv.pool import KVPool
 from kv.rank_info import RankInfo, check_peer, describe_pools
@@ -16,27 +20,12 @@ class TransferError(RuntimeError):
     """A page READ failed or timed out; the request it carried fails."""
 
 
-# Notifications a decode rank sends the prefill rank it read from: "the pages are read" or "I gave up on them".
-READ_DONE, READ_CANCELLED = "read", "cancel"
-
-
-def notification(kind: str, request_id: str) -> bytes:
-    return f"{kind}:{request_id}".encode()
-
-
-def parse_notification(msg: bytes) -> tuple[str, str]:
-    kind, _, request_id = msg.decode().partition(":")
-    if kind not in (READ_DONE, READ_CANCELLED) or not request_id:
-        raise ValueError(f"unknown notification {msg!r}")
-    return kind, request_id
-
-
 def owners_for(transfer_draft_kv: bool) -> tuple[LayerOwner, ...]:
     return (LayerOwner.TARGET, LayerOwner.DRAFT) if transfer_draft_kv else (LayerOwner.TARGET,)
 
 
 class NixlEndpoint:
-    """One NIXL agent over one rank's pools. Every agent call holds a lock: the notification poller shares it."""
+    """One NIXL agent over one rank's pools; used from one thread (its KV manager's event loop)."""
 
     def __init__(self, name: str, pools: Sequence[KVPool], *, tp_size: int = 1, tp_rank: int = 0):
         from nixl._api import nixl_agent, nixl_agent_config
@@ -45,8 +34,8 @@ class NixlEndpoint:
         self.pools = list(pools)
         self.memory_type = "VRAM" if self.pools[0].device.type == "cuda" else "DRAM"
         self.device_id = self.pools[0].device.index or 0
-        self._lock = threading.Lock()
-        self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+        self.agent.create_backend("UCX", {"ucx_error_handling_mode": "none"})
         regions = [(g.buffer.data_ptr(), g.buffer.numel(), self.device_id, "") for pool in self.pools
                    for g in pool.groups]
         self._registered = self.agent.register_memory(regions, self.memory_type)
@@ -59,39 +48,40 @@ class NixlEndpoint:
         """Check a peer's RankInfo and load its agent metadata; returns its agent name."""
         peer = RankInfo.from_json(payload)
         check_peer(self.rank_info, peer)
-        with self._lock:
-            if peer.agent_name not in self.peers:
-                self.agent.add_remote_agent(peer.agent_metadata)
-            self.peers[peer.agent_name] = peer
+        if peer.agent_name not in self.peers:
+            self.agent.add_remote_agent(peer.agent_metadata)
+        self.peers[peer.agent_name] = peer
         return peer.agent_name
 
     def remove_peer(self, name: str) -> None:
-        with self._lock:
-            if self.peers.pop(name, None) is not None:
-                self.agent.remove_remote_agent(name)
+        if self.peers.pop(name, None) is not None:
+            self.agent.remove_remote_agent(name)
 
-    def _descriptors(self, info: RankInfo, tables: Sequence[Sequence[int]], owners) -> list[tuple[int, int, int]]:
+    def _regions(self, info: RankInfo, tables: Sequence[Sequence[int]], owners) -> list[tuple[int, int, int]]:
         """(address, length, device) per page region of ``tables`` (per space) in the rank ``info`` describes.
 
         Offsets come from this rank's own pools: registration checked that the peer's page layout is identical.
         """
-        bases = {(g.space, g.group): (g.base_address, g.device_id, g.num_pages) for g in info.groups}
-        descs = []
+        bases = {(g.space, g.group): (g.base_address, g.device_id) for g in info.groups}
+        regions = []
         for space, (pool, table) in enumerate(zip(self.pools, tables)):
             for page in table:
                 if not 0 <= page < pool.num_pages:
                     raise TransferError(f"page {page} is outside space {space} of {info.agent_name} "
                                         f"({pool.num_pages} pages)")
             for group, offset, length in pool.page_regions(table, owners):
-                base, device, _ = bases[(space, group)]
-                descs.append((base + offset, length, device))
-        return descs
+                base, device = bases[(space, group)]
+                regions.append((base + offset, length, device))
+        return regions
 
-    def read(self, peer_name: str, remote_tables: Sequence[Sequence[int]], local_tables: Sequence[Sequence[int]],
-             owners: Sequence[LayerOwner], notif: bytes, timeout_s: float) -> int:
-        """READ the peer's pages into ours (target and/or draft layers); returns the bytes moved.
+    async def read(self, peer_name: str, remote_tables: Sequence[Sequence[int]],
+                   local_tables: Sequence[Sequence[int]], owners: Sequence[LayerOwner], timeout_s: float,
+                   delay_s: float = 0.0) -> tuple[int, int]:
+        """READ the peer's pages into ours (target and/or draft layers); returns (bytes, descriptors).
 
-        The peer gets ``notif`` when the READ completes. Raises TransferError on failure or timeout.
+        Regions adjacent on both sides go as one descriptor. Raises TransferError on failure or timeout;
+        it returns or raises only once the READ can no longer write into the local pages.
+        ``delay_s`` holds the READ open that long after posting it (fault injection for tests).
         """
         peer = self.peers.get(peer_name)
         if peer is None:
@@ -99,85 +89,56 @@ class NixlEndpoint:
         if [len(t) for t in remote_tables] != [len(t) for t in local_tables]:
             raise TransferError(f"page counts differ: remote {[len(t) for t in remote_tables]}, "
                                 f"local {[len(t) for t in local_tables]}")
-        remote = self._descriptors(peer, remote_tables, owners)
-        local = self._descriptors(self.rank_info, local_tables, owners)
+        local, remote = coalesce(self._regions(self.rank_info, local_tables, owners),
+                                 self._regions(peer, remote_tables, owners))
         nbytes = sum(length for _, length, _ in local)
         try:
-            with self._lock:
-                local_descs = self.agent.get_xfer_descs(local, self.memory_type)
-                remote_descs = self.agent.get_xfer_descs(remote, peer.memory_type)
-                handle = self.agent.initialize_xfer("READ", local_descs, remote_descs, peer_name, notif)
-                state = self.agent.transfer(handle)
+            local_descs = self.agent.get_xfer_descs(local, self.memory_type)
+            remote_descs = self.agent.get_xfer_descs(remote, peer.memory_type)
+            handle = self.agent.initialize_xfer("READ", local_descs, remote_descs, peer_name)
+            state = self.agent.transfer(handle)
         except Exception as e:      # nixl raises its own error types for invalid descriptors or peers
             raise TransferError(f"READ of {len(remote)} regions from {peer_name} could not start: {e}") from e
         deadline = time.monotonic() + timeout_s
+        wait = 0.0
         try:
+            if delay_s:
+                await asyncio.sleep(delay_s)
             while state == "PROC":
                 if time.monotonic() > deadline:
                     raise TransferError(f"READ from {peer_name} did not finish within {timeout_s:.1f}s")
-                time.sleep(0.0002)
-                with self._lock:
-                    state = self.agent.check_xfer_state(handle)
+                # Back off from 20 us to 1 ms: fast READs end at once, long ones cost few wake-ups.
+                wait = min(max(2 * wait, 2e-5), 1e-3)
+                await asyncio.sleep(wait)
+                state = self.agent.check_xfer_state(handle)
             if state != "DONE":
                 raise TransferError(f"READ from {peer_name} failed (state {state})")
         finally:
-            with self._lock:
-                self.agent.release_xfer_handle(handle)
-        return nbytes
-
-    def send(self, peer_name: str, msg: bytes) -> None:
-        with self._lock:
-            self.agent.send_notif(peer_name, msg)
-
-    def notifications(self) -> list[bytes]:
-        with self._lock:
-            notifs = self.agent.get_new_notifs()
-        return [msg for msgs in notifs.values() for msg in msgs]
+            # Releasing a handle still in flight aborts the transfer; only then may the caller free pages.
+            self.agent.release_xfer_handle(handle)
+        return nbytes, len(local)
 
     def close(self) -> None:
-        with self._lock:
-            for name in list(self.peers):
-                self.agent.remove_remote_agent(name)
-            self.peers.clear()
-            self.agent.deregister_memory(self._registered)
+        for name in list(self.peers):
+            self.agent.remove_remote_agent(name)
+        self.peers.clear()
+        self.agent.deregister_memory(self._registered)
 
 
-@dataclass
-class HeldPages:
-    request_id: str
-    deadline: float
-
-
-class HeldPagesBook:
-    """Prefill pages waiting for a decode peer's READ: freed on its notification, on cancel, or at the deadline."""
-
-    def __init__(self, timeout_s: float):
-        self.timeout_s = timeout_s
-        self._held: dict[str, HeldPages] = {}
-        self._lock = threading.Lock()
-        self.num_read = self.num_timed_out = self.num_cancelled = 0
-
-    def hold(self, request_id: str, timeout_s: float | None = None) -> None:
-        with self._lock:
-            self._held[request_id] = HeldPages(request_id, time.monotonic() + (timeout_s or self.timeout_s))
-
-    def done(self, request_id: str, reason: str) -> bool:
-        """Forget a held request; True when it was held (the caller frees its pages exactly once)."""
-        with self._lock:
-            if self._held.pop(request_id, None) is None:
-                return False
-            if reason == "read":
-                self.num_read += 1
-            elif reason == "timeout":
-                self.num_timed_out += 1
-            else:
-                self.num_cancelled += 1
-            return True
-
-    def expired(self, now: float | None = None) -> list[str]:
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            return [h.request_id for h in self._held.values() if h.deadline <= now]
-
-    def __len__(self) -> int:
-        return len(self._held)
+def coalesce(local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]]
+             ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """Merge consecutive region pairs that are contiguous on both sides into one descriptor pair."""
+    out_local: list[list[int]] = []
+    out_remote: list[list[int]] = []
+    for (la, length, ld), (ra, rlength, rd) in zip(local, remote):
+        if rlength != length:
+            raise TransferError(f"region sizes differ: local {length}, remote {rlength}")
+        if out_local:
+            pl, pr = out_local[-1], out_remote[-1]
+            if pl[0] + pl[1] == la and pr[0] + pr[1] == ra and pl[2] == ld and pr[2] == rd:
+                pl[1] += length
+                pr[1] += length
+                continue
+        out_local.append([la, length, ld])
+        out_remote.append([ra, length, rd])
+    return [tuple(x) for x in out_local], [tuple(x) for x in out_remote]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from engine.llm import EngineConfig
 from engine.llm_engine import RequestOutput
@@ -45,39 +48,75 @@ class Timings:
     """Where the time of one offline run went (seconds)."""
 
     prefill_s: float = 0.0
-    transfer_s: list[float] = field(default_factory=list)      # per request: reserve + READ + activate
-    read_s: list[float] = field(default_factory=list)          # per request: the NIXL READ alone
-    bytes_moved: int = 0
-    decode_s: float = 0.0
+    decode_s: float = 0.0      # from the tickets to the last token: READs, then DFlash decode
     total_s: float = 0.0
 
 
-def run_disaggregated(prefill, decode, requests, hold_timeout_s: float | None = None
-                      ) -> tuple[list[RequestOutput], Timings]:
-    """Prefill every request, move each one's KV to the decode replica, then decode them all."""
+class ReplicaActor:
+    """A replica started as a Ray actor in a placement group of its own (with its GPU on a GPU cluster)."""
+
+    def __init__(self, cls, config: EngineConfig, *, num_cpus: float = 0.25, **kwargs):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        gpu = torch.device(config.device).type == "cuda"
+        self.pg = placement_group([{"CPU": num_cpus, **({"GPU": 1} if gpu else {})}], strategy="STRICT_PACK")
+        ray.get(self.pg.ready())
+        self.handle = ray.remote(cls).options(
+            num_cpus=num_cpus, num_gpus=0.9 if gpu else 0, max_concurrency=1000,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0),
+        ).remote(config, **kwargs)
+        ray.get(self.handle.ready.remote())
+
+    def pages_in_use(self) -> int:
+        import ray
+        return ray.get(self.handle.pages_in_use.remote())
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            ray.get(self.handle.shutdown.remote(), timeout=30)
+        except Exception:        # already dead: its KV managers died with their owner
+            pass
+        ray.kill(self.handle)
+        remove_placement_group(self.pg)
+
+
+def run_disaggregated(prefill: ReplicaActor, decode: ReplicaActor, requests) -> tuple[list[RequestOutput], Timings]:
+    """Prefill every request (one batch), then decode them all on the other replica (one batch)."""
+    import ray
+
+    from actors.replica import collect
+
     timings = Timings()
     start = time.perf_counter()
-    tickets, outputs = prefill.prefill(requests, hold_timeout_s)
+    results = ray.get([prefill.handle.prefill.remote(rid, ids, p) for rid, ids, p in requests])
     timings.prefill_s = time.perf_counter() - start
-    done = {o.request_id: o for o in outputs}
-    for ticket in tickets:
-        t0 = time.perf_counter()
-        stats = decode.receive(ticket)
-        timings.transfer_s.append(time.perf_counter() - t0)
-        timings.read_s.append(stats["seconds"])
-        timings.bytes_moved += stats["bytes"]
-        if stats["output"] is not None:
-            done[ticket.request_id] = stats["output"]
+    done, tickets = {}, []
+    for (request_id, ids, _), result in zip(requests, results):
+        if "ticket" in result:
+            tickets.append(result["ticket"])
+        else:
+            done[request_id] = asyncio.run(collect(request_id, ids, _single(result["chunk"])))
     t0 = time.perf_counter()
-    done.update({o.request_id: o for o in decode.run()})
+    done.update({o.request_id: o for o in ray.get(decode.handle.decode_all.remote(tickets))})
     timings.decode_s = time.perf_counter() - t0
     timings.total_s = time.perf_counter() - start
     return [done[request_id] for request_id, _, _ in requests], timings
 
 
+async def _single(chunk: dict):
+    yield chunk
+
+
 def generate_offline(mode: str, engine_kwargs: dict, prompts: Sequence[str | Sequence[int]],
                      params: SamplingParams, *, transfer_draft_kv: bool = True) -> list[RequestOutput]:
     """Outputs of ``prompts`` from one aggregated replica, or one prefill and one decode replica."""
+    import ray
+
     from actors.replica import AggregatedReplica, DecodeReplica, PrefillReplica
 
     if mode not in MODES:
@@ -88,16 +127,14 @@ def generate_offline(mode: str, engine_kwargs: dict, prompts: Sequence[str | Seq
     replicas = []
     try:
         if mode == "agg":
-            replicas.append(AggregatedReplica(config))
-            return replicas[0].generate(requests)
-        replicas.append(PrefillReplica(config))
-        replicas.append(DecodeReplica(config, transfer_draft_kv=transfer_draft_kv))
-        replicas[1].connect(replicas[0].rank_infos)
+            replicas.append(ReplicaActor(AggregatedReplica, config))
+            return ray.get(replicas[0].handle.generate_all.remote(requests))
+        replicas.append(ReplicaActor(PrefillReplica, config))
+        replicas.append(ReplicaActor(DecodeReplica, config, transfer_draft_kv=transfer_draft_kv))
         outputs, _ = run_disaggregated(replicas[0], replicas[1], requests)
         return outputs
     finally:
         for replica in replicas:
             replica.shutdown()
         if started:
-            import ray
             ray.shutdown()

@@ -1,186 +1,365 @@
-"""Aggregated, prefill and decode replicas: each drives one tensor-parallel group of ranks placed on one node.
+"""The aggregated, prefill and decode replicas: the one implementation behind the Serve deployments and the
+offline ``dflash-serve generate --mode agg|disagg`` alike.
 
-A rank is a ``KVManagerActor`` (pool memory, NIXL) and a ``RankWorker`` (model, engine) sharing one
-placement-group bundle. Groups are built for any TP size, but the engine runs TP=1, so only 1 is accepted.
+A replica drives its rank group (``actors.worker``) and speaks in chunks: plain dicts that cross Ray and
+Serve (``token_chunk``: new token ids and the text that became final, the last one with the finish
+reason and speculative statistics; ``error_chunk``: status, message, type). A disaggregated request is a
+prefill (the whole prompt, in as many steps as it takes, first token sampled, pages held under a lease)
+then a decode: the decode replica reserves pages, its KV manager READs the prefill pages under that
+lease, and the engine starts decoding the request in the step after the READ ends.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import dataclasses
-import itertools
+import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
-import ray
-import torch
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-from actors.kv_manager import KVManagerActor
 from actors.nixl_transfer import TransferError
-from actors.worker import PrefillResult, RankWorker
+from actors.worker import RankGroup
 from engine.llm import EngineConfig
 from engine.llm_engine import RequestOutput
-from engine.sequence import SamplingParams
+from engine.sequence import SamplingParams, SpecStats
 
-_names = itertools.count()
+log = logging.getLogger(__name__)
+RESERVE_RETRY_S = 0.02
+
+
+def token_chunk(out: RequestOutput, **extra) -> dict:
+    chunk = {"type": "tokens", "token_ids": list(out.new_token_ids), "text": out.text_delta,
+             "finished": out.finished, "finish_reason": out.finish_reason,
+             "num_cached_tokens": out.num_cached_tokens, **extra}
+    if out.finished:
+        chunk["spec"] = dataclasses.asdict(out.spec)
+    return chunk
+
+
+def error_chunk(status: int, message: str, error_type: str = "server_error") -> dict:
+    return {"type": "error", "status": status, "message": message, "error_type": error_type}
+
+
+def merge_chunks(first: dict, later: dict) -> dict:
+    """Two consecutive token chunks of one request as one (the later one's state wins)."""
+    merged = {**first, **later}
+    merged["token_ids"] = first["token_ids"] + later["token_ids"]
+    merged["text"] = first["text"] + later["text"]
+    return merged
 
 
 @dataclasses.dataclass(frozen=True)
 class Ticket:
-    """What a decode replica needs to take over a prefilled request (plain data: it crosses replicas)."""
+    """What a decode replica needs to take over a prefilled request (plain data and actor handles)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     first_token: int
-    peer_agents: list[str]         # per rank: the prefill rank's NIXL agent
-    tables: list[list[int]]        # per space: the prefill pages of the prompt
+    tables: list[list[int]]        # per space: the prefill pages of the prompt (the same ids on every rank)
+    leases: list[str]              # per prefill rank: the lease its KV manager holds the pages under
+    kv_managers: list[Any]         # per prefill rank: its KVManagerActor handle
+    peer_agents: list[str]         # per prefill rank: its NIXL agent
+    rank_infos: list[str]          # per prefill rank: its RankInfo JSON
     prefill_s: float = 0.0
 
-
-@dataclasses.dataclass
-class Rank:
-    kv_manager: ray.actor.ActorHandle
-    worker: ray.actor.ActorHandle
-    rank_info: str                  # RankInfo JSON
+    def cancel(self) -> None:
+        """Give the held pages back now (the request will not be decoded)."""
+        for kvm, lease in zip(self.kv_managers, self.leases):
+            kvm.cancel.remote(lease)
 
 
-class RankGroup:
-    """Start one replica's ranks: a placement group (STRICT_PACK: one node), then per rank its two actors."""
+class EngineReplica:
+    """What every role shares: the rank group, chunk streams, and inspection."""
 
-    def __init__(self, role: str, config: EngineConfig, *, tp_size: int = 1, cpus_per_actor: float = 0.25,
-                 hold_timeout_s: float = 30.0, num_threads: int = 1):
-        if tp_size != 1:
-            raise NotImplementedError(f"tensor parallelism {tp_size} is not implemented: the engine runs TP=1")
-        self.name = f"{role}-{next(_names)}"
-        gpu = torch.device(config.device).type == "cuda"
-        bundle = {"CPU": 2 * cpus_per_actor, **({"GPU": 1} if gpu else {})}
-        self.pg = placement_group([dict(bundle) for _ in range(tp_size)], strategy="STRICT_PACK")
-        ray.get(self.pg.ready())
-        self.ranks: list[Rank] = []
-        for tp_rank in range(tp_size):
-            strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=tp_rank)
-            # The KV manager allocates on the rank's GPU and shares it by CUDA IPC; both actors see that GPU.
-            kvm = ray.remote(KVManagerActor).options(
-                num_cpus=cpus_per_actor, num_gpus=0.1 if gpu else 0, scheduling_strategy=strategy).remote(
-                f"{self.name}-rank{tp_rank}", device=config.device, tp_size=tp_size, tp_rank=tp_rank,
-                hold_timeout_s=hold_timeout_s, num_threads=num_threads)
-            worker = ray.remote(RankWorker).options(
-                num_cpus=cpus_per_actor, num_gpus=0.9 if gpu else 0, scheduling_strategy=strategy).remote(
-                config, kvm, num_threads=num_threads, tp_size=tp_size, tp_rank=tp_rank)
-            specs, page_size, num_pages = ray.get(worker.pool_specs.remote())
-            info = ray.get(kvm.attach.remote(worker, specs, page_size, num_pages))
-            self.ranks.append(Rank(kvm, worker, info))
+    role = "aggregated"
+    transfers = False
 
-    @property
-    def worker(self):
-        return self.ranks[0].worker
-
-    @property
-    def kv_manager(self):
-        return self.ranks[0].kv_manager
-
-    def pages_in_use(self) -> int:
-        return sum(ray.get([r.worker.pages_in_use.remote() for r in self.ranks]))
-
-    def shutdown(self) -> None:
-        for rank in self.ranks:
-            try:
-                ray.get(rank.kv_manager.close.remote(), timeout=10)
-            except Exception:
-                pass
-            ray.kill(rank.worker)
-            ray.kill(rank.kv_manager)
-        remove_placement_group(self.pg)
-
-
-class AggregatedReplica:
-    """Prefill and decode in one engine: no transfer."""
-
-    def __init__(self, config: EngineConfig, **group_kwargs):
-        self.group = RankGroup("agg", config, **group_kwargs)
-
-    def generate(self, requests: Sequence[tuple[str, list[int], SamplingParams]]) -> list[RequestOutput]:
-        outputs = {o.request_id: o for o in ray.get(self.group.worker.generate.remote(list(requests)))}
-        return [outputs[request_id] for request_id, _, _ in requests]
-
-    def shutdown(self) -> None:
-        self.group.shutdown()
-
-
-class PrefillReplica:
-    """Runs prompts to their first token and holds their pages until a decode peer READs them (or the hold expires)."""
-
-    def __init__(self, config: EngineConfig, **group_kwargs):
-        self.group = RankGroup("prefill", config, **group_kwargs)
-
-    @property
-    def rank_infos(self) -> list[str]:
-        return [r.rank_info for r in self.group.ranks]
-
-    def prefill(self, requests: Sequence[tuple[str, list[int], SamplingParams]], hold_timeout_s: float | None = None
-                ) -> tuple[list[Ticket], list[RequestOutput]]:
-        """Tickets for requests that continue on a decode replica, and outputs of those the first token ended."""
-        start = time.perf_counter()
-        results: list[PrefillResult] = ray.get(self.group.worker.prefill.remote(list(requests)))
-        elapsed = time.perf_counter() - start
-        by_id = {request_id: (prompt, params) for request_id, prompt, params in requests}
-        ongoing = [r for r in results if not r.finished]
-        for r in results:
-            if r.finished:
-                self.group.worker.release.remote(r.request_id)
-        # The hold is in place before any peer hears of the request, so its READ notification finds it.
-        ray.get(self.group.kv_manager.hold.remote([r.request_id for r in ongoing], hold_timeout_s))
-        agents = [f"{self.group.name}-rank{i}" for i in range(len(self.group.ranks))]
-        tickets = [Ticket(r.request_id, by_id[r.request_id][0], by_id[r.request_id][1], r.first_token, agents,
-                          r.tables, elapsed) for r in ongoing]
-        return tickets, [r.output for r in results if r.finished]
-
-    def shutdown(self) -> None:
-        self.group.shutdown()
-
-
-class DecodeReplica:
-    """Takes over prefilled requests: checks the peer, allocates pages, READs them with NIXL, runs DFlash."""
-
-    def __init__(self, config: EngineConfig, *, transfer_draft_kv: bool = True, read_timeout_s: float = 10.0,
-                 **group_kwargs):
-        self.group = RankGroup("decode", config, **group_kwargs)
+    def __init__(self, config: EngineConfig, *, tp_size: int = 1, num_threads: int = 1,
+                 hold_timeout_s: float = 30.0, transfer_draft_kv: bool = True, read_timeout_s: float = 10.0,
+                 reserve_timeout_s: float = 10.0, read_delay_s: float = 0.0):
+        self.config = config
         self.transfer_draft_kv = transfer_draft_kv
         self.read_timeout_s = read_timeout_s
+        self.reserve_timeout_s = reserve_timeout_s
+        self.hold_timeout_s = hold_timeout_s
+        self.group = RankGroup(self.role, config, transfers=self.transfers, tp_size=tp_size,
+                               hold_timeout_s=hold_timeout_s, num_threads=num_threads, read_delay_s=read_delay_s)
+        self.replica_id = self.group.name
+        self.engine = self.group.worker.engine
+        self.loop = self.group.worker.loop
 
-    def connect(self, rank_infos: Sequence[str]) -> list[str]:
-        """Register a prefill replica's ranks (rank i with rank i); a mismatching peer raises PeerMismatchError."""
-        if len(rank_infos) != len(self.group.ranks):
-            raise ValueError(f"the prefill replica has {len(rank_infos)} ranks, this decode replica "
-                             f"{len(self.group.ranks)}")
-        return ray.get([r.kv_manager.register_peer.remote(info) for r, info in zip(self.group.ranks, rank_infos)])
+    async def ready(self) -> str:
+        return self.replica_id
 
-    def receive(self, ticket: Ticket) -> dict:
-        """Move one request's KV here and start decoding it; returns transfer stats (raises TransferError)."""
-        worker, kvm = self.group.worker, self.group.kv_manager
-        tables = ray.get(worker.reserve.remote(ticket.request_id, ticket.prompt_token_ids, ticket.first_token,
-                                               ticket.params))
-        if tables is None:
-            # The prefill hold expires and frees the peer's pages; a serving router would retry later instead.
-            raise MemoryError(f"request {ticket.request_id}: no decode pages free now")
+    async def rank_infos(self) -> list[str]:
+        return list(self.group.rank_infos)
+
+    async def kv_managers(self) -> list:
+        return list(self.group.kv_managers)
+
+    async def pages_in_use(self) -> int:
+        return await self.loop.call(lambda engine: engine.kv.pages_in_use())
+
+    async def page_digest(self, tables: list[list[int]], owners: Sequence[str] = ("target", "draft")) -> str:
+        return await self.loop.call(lambda _: self.group.worker.page_digest(tables, owners))
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue, **first_extra) -> AsyncIterator[dict]:
+        """Chunks until the request finishes; what piled up while the consumer was busy goes as one chunk.
+        A consumer that goes away first aborts the request (its pages are freed, or after a running READ)."""
+        finished = False
+        extra = first_extra
         try:
-            stats = ray.get(kvm.read.remote(ticket.request_id, ticket.peer_agents[0], ticket.tables, tables,
-                                            self.transfer_draft_kv, self.read_timeout_s))
-        except Exception as e:
-            # The KV manager already told the prefill rank to free its pages; free ours, fail the request.
-            ray.get(worker.abort.remote(ticket.request_id))
-            if isinstance(e, TransferError):    # Ray re-raises the actor's TransferError as a subclass of it
-                raise TransferError(f"request {ticket.request_id} failed: KV transfer from "
-                                    f"{ticket.peer_agents[0]}: {e.args[0] if e.args else e}") from None
-            raise
-        stats["output"] = ray.get(worker.activate.remote(ticket.request_id, self.transfer_draft_kv))
-        stats["tables"] = tables
-        return stats
-
-    def run(self) -> list[RequestOutput]:
-        return ray.get(self.group.worker.run.remote())
+            while not finished:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                chunk = None
+                for item in items:
+                    if isinstance(item, BaseException):
+                        finished = True
+                        chunk = _error_from(item)
+                        break
+                    finished = item.finished
+                    this = token_chunk(item)
+                    chunk = this if chunk is None else merge_chunks(chunk, this)
+                if extra and chunk["type"] == "tokens":
+                    chunk.update(extra)
+                    extra = {}
+                yield chunk
+        finally:
+            if not finished:
+                self.loop.abort(request_id)
+            else:
+                self.loop.close_stream(request_id)
 
     def shutdown(self) -> None:
         self.group.shutdown()
+
+
+class AggregatedReplica(EngineReplica):
+    """Prefill and decode in one engine: no transfer."""
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+                       ) -> AsyncIterator[dict]:
+        queue = self.loop.open_stream(request_id)
+        try:
+            await self.loop.call(lambda e: e.add_request(prompt_token_ids, params, request_id=request_id))
+        except ValueError as e:
+            self.loop.close_stream(request_id)
+            yield error_chunk(400, str(e), "invalid_request_error")
+            return
+        async for chunk in self._stream(request_id, queue):
+            yield chunk
+
+    async def generate_all(self, requests: Sequence[tuple[str, list[int], SamplingParams]]) -> list[RequestOutput]:
+        """Every request at once (offline use); outputs in request order."""
+        return list(await asyncio.gather(*(collect(rid, ids, self.generate(rid, ids, p)) for rid, ids, p in requests)))
+
+
+class PrefillReplica(EngineReplica):
+    """Runs whole prompts to their first token and holds the pages under a lease until a decode peer READs
+    them, the lease is cancelled, or it expires."""
+
+    role = "prefill"
+    transfers = True
+
+    def __init__(self, config: EngineConfig, **kwargs):
+        super().__init__(config, **kwargs)
+        for i, kvm in enumerate(self.group.kv_managers):
+            threading.Thread(target=self._release_loop, args=(kvm,), daemon=True, name=f"release-{i}").start()
+
+    def _release_loop(self, kv_manager) -> None:
+        """Free the pages of every lease the KV manager ended (read, cancelled, expired); blocks while none."""
+        import ray
+
+        while True:
+            try:
+                request_ids = ray.get(kv_manager.wait_released.remote())
+            except Exception:          # the KV manager is gone (shutdown or killed): nothing more to free
+                return
+            for request_id in request_ids:
+                self.loop.submit(lambda e, r=request_id: e.release(r))
+
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> dict:
+        """``{"ticket": Ticket}`` to continue on a decode replica, or ``{"chunk": ...}`` when the request
+        ends here (its first token ends it, or it failed)."""
+        start = time.perf_counter()
+        queue = self.loop.open_stream(request_id)
+        try:
+            await self.loop.call(lambda e: e.add_request(
+                prompt_token_ids, dataclasses.replace(params, max_tokens=1), request_id=request_id,
+                hold_pages=True))
+        except ValueError as e:
+            self.loop.close_stream(request_id)
+            return {"chunk": error_chunk(400, str(e), "invalid_request_error")}
+        settled = False       # True once the pages are freed or held under a lease
+        try:
+            out = await queue.get()
+            while not isinstance(out, BaseException) and not out.finished:
+                out = await queue.get()        # a partial prefill chunk: the prompt is not computed yet
+            if isinstance(out, BaseException):
+                settled = True                 # the engine loop already freed it
+                return {"chunk": _error_from(out)}
+            # Only the max_tokens=1 of this side stops a request that goes on to decode.
+            if out.finish_reason != "length" or params.max_tokens == 1:
+                self.loop.submit(lambda e: e.release(request_id))
+                settled = True
+                chunk = token_chunk(out)
+                chunk["token_ids"], chunk["text"] = list(out.token_ids), out.text
+                return {"chunk": chunk}
+            num_pages = -(-len(prompt_token_ids) // self.engine.kv.page_size)
+            tables = await self.loop.call(
+                lambda e: [e.kv.block_table(request_id, s)[:num_pages] for s in range(len(e.kv.pools))])
+            leases = await asyncio.gather(*(kvm.hold.remote(request_id, self.hold_timeout_s)
+                                            for kvm in self.group.kv_managers))
+            settled = True
+            return {"ticket": Ticket(request_id, list(prompt_token_ids), params, out.token_ids[0], tables,
+                                     list(leases), list(self.group.kv_managers),
+                                     [self.group.agent_name(i) for i in range(len(leases))],
+                                     list(self.group.rank_infos), time.perf_counter() - start)}
+        finally:
+            self.loop.close_stream(request_id)
+            if not settled:
+                self.loop.abort(request_id)
+
+
+class DecodeReplica(EngineReplica):
+    """Takes over prefilled requests: checks the peer, reserves pages, READs them with NIXL, streams DFlash."""
+
+    role = "decode"
+    transfers = True
+
+    def __init__(self, config: EngineConfig, **kwargs):
+        super().__init__(config, **kwargs)
+        self._peers: set[str] = set()
+        self.num_awaiting_transfer = 0
+        # Transfers run on an event loop of their own thread, in a fresh context: Ray cancels the children of
+        # a cancelled call (found through the caller's context), and a READ started from the decode stream's
+        # call would be cancelled with it.
+        self._transfers = asyncio.new_event_loop()
+        threading.Thread(target=self._transfers.run_forever, name="transfers", daemon=True).start()
+
+    async def _connect(self, ticket: Ticket) -> None:
+        if ticket.peer_agents[0] in self._peers:
+            return
+        if len(ticket.rank_infos) != len(self.group.kv_managers):
+            raise ValueError(f"the prefill replica has {len(ticket.rank_infos)} ranks, this decode replica "
+                             f"{len(self.group.kv_managers)}")
+        # PeerMismatchError (page size, layer counts, dtypes) propagates: the request fails, naming both values.
+        await asyncio.gather(*(kvm.register_peer.remote(info)
+                               for kvm, info in zip(self.group.kv_managers, ticket.rank_infos)))
+        self._peers.add(ticket.peer_agents[0])
+
+    async def _reserve(self, ticket: Ticket) -> list[list[int]] | None:
+        num_pages = -(-len(ticket.prompt_token_ids) // self.engine.kv.page_size)
+
+        def reserve(e):
+            if e.reserve_transfer(ticket.prompt_token_ids, ticket.first_token, ticket.params,
+                                  request_id=ticket.request_id) is None:
+                return None
+            return [e.kv.block_table(ticket.request_id, s)[:num_pages] for s in range(len(e.kv.pools))]
+
+        deadline = time.monotonic() + self.reserve_timeout_s
+        while True:
+            tables = await self.loop.call(reserve)
+            if tables is not None or time.monotonic() > deadline:
+                return tables
+            await asyncio.sleep(RESERVE_RETRY_S)     # the pool is full: pages free up as requests finish
+
+    async def decode(self, ticket: Ticket) -> AsyncIterator[dict]:
+        """Move the ticket's KV here and stream the rest of its tokens (the first chunk carries ``transfer``)."""
+        request_id = ticket.request_id
+        queue = self.loop.open_stream(request_id)
+        try:
+            await self._connect(ticket)
+            tables = await self._reserve(ticket)
+        except Exception as e:
+            self.loop.close_stream(request_id)
+            ticket.cancel()
+            status, kind = (400, "invalid_request_error") if type(e) is ValueError else (500, "server_error")
+            yield error_chunk(status, f"decode replica refused the request: {e}", kind)
+            return
+        if tables is None:
+            self.loop.close_stream(request_id)
+            ticket.cancel()
+            yield error_chunk(503, "no decode KV pages free", "overloaded")
+            return
+        stats: dict = {}
+        # The transfer runs to its end even if this stream is cancelled: only then may the pages be freed.
+        self._transfers.call_soon_threadsafe(self._transfers.create_task, self._transfer(ticket, tables, stats),
+                                             context=contextvars.Context())
+        async for chunk in self._stream(request_id, queue, transfer=stats):
+            yield chunk
+
+    async def _transfer(self, ticket: Ticket, tables: list[list[int]], stats: dict) -> None:
+        request_id = ticket.request_id
+        self.num_awaiting_transfer += 1
+        error: BaseException | None = None
+        try:
+            reads = await asyncio.gather(*(
+                kvm.read.remote(lease, peer, agent, ticket.tables, tables, self.transfer_draft_kv,
+                                self.read_timeout_s)
+                for kvm, lease, peer, agent in zip(self.group.kv_managers, ticket.leases, ticket.kv_managers,
+                                                   ticket.peer_agents)), return_exceptions=True)
+            error = next((r for r in reads if isinstance(r, BaseException)), None)
+            if error is None:
+                stats.update(bytes=sum(r["bytes"] for r in reads), seconds=max(r["seconds"] for r in reads),
+                             descriptors=sum(r["descriptors"] for r in reads), tables=tables)
+        finally:
+            self.num_awaiting_transfer -= 1
+        landed, draft = error is None, self.transfer_draft_kv
+
+        def finish(engine):
+            out = engine.finish_transfer(request_id, landed, draft_context=draft)
+            # Delivered from the engine thread, so it precedes this request's next step's output.
+            self.loop.deliver([(request_id, out if landed else _transfer_failure(ticket, error))])
+
+        await self.loop.call(finish)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._transfers.call_soon_threadsafe(self._transfers.stop)
+
+    async def decode_all(self, tickets: Sequence[Ticket]) -> list[RequestOutput]:
+        """Every ticket at once (offline use); outputs in ticket order."""
+        return list(await asyncio.gather(*(collect(t.request_id, t.prompt_token_ids, self.decode(t))
+                                           for t in tickets)))
+
+
+def _transfer_failure(ticket: Ticket, error: BaseException) -> TransferError:
+    cause = error.args[0] if isinstance(error, TransferError) and error.args else f"{type(error).__name__}: {error}"
+    return TransferError(f"request {ticket.request_id}: KV transfer from {ticket.peer_agents[0]} failed: {cause}")
+
+
+def _error_from(e: BaseException) -> dict:
+    if isinstance(e, TransferError):
+        return error_chunk(500, str(e), "transfer_error")
+    return error_chunk(500, f"engine step failed: {type(e).__name__}: {e}")
+
+
+class ChunkError(RuntimeError):
+    """An error chunk, raised by ``collect``: ``status``, ``error_type`` and the message."""
+
+    def __init__(self, chunk: dict):
+        super().__init__(chunk["message"])
+        self.status, self.error_type = chunk["status"], chunk.get("error_type", "server_error")
+
+
+async def collect(request_id: str, prompt_token_ids: list[int], chunks: AsyncIterator[dict]) -> RequestOutput:
+    """A whole chunk stream as one RequestOutput (raises ChunkError on an error chunk)."""
+    token_ids: list[int] = []
+    text = ""
+    last: dict = {}
+    async for chunk in chunks:
+        if chunk["type"] == "error":
+            raise ChunkError(chunk)
+        token_ids += chunk["token_ids"]
+        text += chunk["text"]
+        last = chunk
+    spec = SpecStats(**last["spec"]) if last.get("spec") else SpecStats()
+    return RequestOutput(request_id, list(prompt_token_ids), token_ids, text, True, last.get("finish_reason"),
+                         last.get("num_cached_tokens", 0), spec, token_ids, text_delta=text)

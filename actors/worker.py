@@ -1,114 +1,55 @@
-"""Per rank: the actor that holds the model shard and runs the engine's forwards on the pool its KV manager shares.
+"""Per rank: the model shard and its engine, over the pool segments the rank's KV manager created.
 
-TP=1 today: one worker is the whole model. The decode loop runs inside ``run`` (no Ray call per step).
+A replica drives its ranks: rank 0's worker lives in the replica's own process (its engine thread streams
+tokens to the replica's event loop with no hop in between); further ranks of a tensor-parallel group would
+be Ray actors placed beside their KV managers. TP=1 today.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
+import uuid
 from collections.abc import Sequence
 
 import torch
 
+from actors.engine_loop import EngineLoop
 from actors.memory import map_segment
-from engine.llm import EngineConfig, build_engine
-from engine.llm_engine import RequestOutput
-from engine.sequence import SamplingParams
+from engine.llm import EngineConfig
 from kv.spec import LayerOwner
 
 
-@dataclasses.dataclass(frozen=True)
-class PrefillResult:
-    request_id: str
-    first_token: int
-    tables: list[list[int]]        # per space: the pages that hold the prompt's K/V
-    finished: bool                 # the first token already ends the request (EOS or max_tokens 1)
-    output: RequestOutput
+def build_engine(config: EngineConfig, allocate=None):
+    from spec_decode import build_engine as build      # the engine with its DFlash drafter, when configured
+
+    return build(config, allocate)
 
 
 class RankWorker:
-    def __init__(self, config: EngineConfig, kv_manager, *, num_threads: int = 1, tp_size: int = 1, tp_rank: int = 0):
+    """One rank's engine and the thread that steps it."""
+
+    def __init__(self, config: EngineConfig, kv_manager=None, *, num_threads: int = 1, tp_size: int = 1,
+                 tp_rank: int = 0):
         import ray
 
         if tp_size != 1:
             raise NotImplementedError(f"tensor parallelism {tp_size} is not implemented: the engine runs TP=1")
         torch.set_num_threads(num_threads)
         self.config = config
-        # Every pool buffer is a segment the KV manager created; the engine sees plain tensors over it.
-        self.engine = build_engine(config, allocate=lambda n: map_segment(ray.get(kv_manager.create_segment.remote(n))))
-
-    def ping(self) -> float:
-        import time
-        return time.monotonic()
+        allocate = None
+        if kv_manager is not None:
+            # Every pool buffer is a segment the KV manager created; the engine sees plain tensors over it.
+            allocate = lambda n: map_segment(ray.get(kv_manager.create_segment.remote(n)))  # noqa: E731
+        self.engine = build_engine(config, allocate)
+        self.loop = EngineLoop(self.engine)
 
     def pool_specs(self) -> tuple[list, int, list[int]]:
         """What the KV manager needs to mirror the pools: layer specs per space, page size, pages per space."""
         pools = self.engine.kv.pools
         return [pool.specs for pool in pools], self.engine.kv.page_size, [pool.num_pages for pool in pools]
 
-    def pages_in_use(self) -> int:
-        return self.engine.kv.pages_in_use()
-
-    def has_speculator(self) -> bool:
-        return self.engine.speculator is not None
-
-    # --- aggregated -----------------------------------------------------------------------------
-    def generate(self, requests: Sequence[tuple[str, list[int], SamplingParams]]) -> list[RequestOutput]:
-        for request_id, prompt, params in requests:
-            self.engine.add_request(prompt, params, request_id=request_id)
-        return self.run()
-
-    def run(self) -> list[RequestOutput]:
-        """Step until every request has finished; returns the finished outputs."""
-        done = []
-        while self.engine.has_unfinished():
-            done.extend(out for out in self.engine.step() if out.finished)
-        return done
-
-    # --- prefill side ---------------------------------------------------------------------------
-    def prefill(self, requests: Sequence[tuple[str, list[int], SamplingParams]]) -> list[PrefillResult]:
-        """Run the prompts to their first token, target and draft layers written; the pages stay held."""
-        ids = []
-        for request_id, prompt, params in requests:
-            self.engine.add_request(prompt, dataclasses.replace(params, max_tokens=1), request_id=request_id,
-                                    hold_pages=True)
-            ids.append(request_id)
-        outputs = {out.request_id: out for out in self.run()}
-        results = []
-        kv = self.engine.kv
-        for (request_id, prompt, params) in requests:
-            out = outputs[request_id]
-            n_pages = -(-len(prompt) // kv.page_size)
-            tables = [kv.block_table(request_id, s)[:n_pages] for s in range(len(kv.pools))]
-            ends = out.finish_reason == "stop" or params.max_tokens == 1
-            results.append(PrefillResult(request_id, out.token_ids[0], tables, ends, out))
-        return results
-
-    def release(self, request_id: str) -> None:
-        self.engine.release(request_id)
-
-    # --- decode side ----------------------------------------------------------------------------
-    def reserve(self, request_id: str, prompt: list[int], first_token: int, params: SamplingParams
-                ) -> list[list[int]] | None:
-        """Pages for a transferred prompt (per space, prompt pages only), or None when the pool is full now."""
-        if self.engine.reserve_transfer(prompt, first_token, params, request_id=request_id) is None:
-            return None
-        kv = self.engine.kv
-        n_pages = -(-len(prompt) // kv.page_size)
-        return [kv.block_table(request_id, s)[:n_pages] for s in range(len(kv.pools))]
-
-    def activate(self, request_id: str, draft_context: bool = True) -> RequestOutput | None:
-        """The pages have landed: start decoding. Returns the output if the first token already ends it."""
-        out = self.engine.activate_transfer(request_id, draft_context=draft_context)
-        return out if out is not None and out.finished else None
-
-    def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
-
-    # --- inspection (tests, benchmarks) ---------------------------------------------------------
     def page_digest(self, tables: list[list[int]], owners: Sequence[str] = ("target", "draft")) -> str:
-        """A hash of the bytes of ``tables``' pages, restricted to ``owners``' layers."""
+        """A hash of the bytes of ``tables``' pages, restricted to ``owners``' layers (tests, benchmarks)."""
         digest = hashlib.sha256()
         owner_set = tuple(LayerOwner(o) for o in owners)
         for pool, table in zip(self.engine.kv.pools, tables):
@@ -116,3 +57,67 @@ class RankWorker:
                 flat = pool.groups[group].buffer.view(-1)
                 digest.update(flat[offset:offset + length].cpu().numpy().tobytes())
         return digest.hexdigest()
+
+    def shutdown(self) -> None:
+        self.loop.shutdown()
+
+
+class RankGroup:
+    """One replica's ranks: per rank a KV manager actor (when pages move between replicas) and a worker.
+
+    The KV managers are placed where the replica runs (its placement-group bundle, else its node): they
+    share pool memory with the workers (POSIX shared memory on CPU, CUDA IPC on GPU).
+    """
+
+    def __init__(self, role: str, config: EngineConfig, *, transfers: bool, tp_size: int = 1,
+                 hold_timeout_s: float = 30.0, num_threads: int = 1, read_delay_s: float = 0.0):
+        import ray
+
+        from actors.kv_manager import KVManagerActor
+
+        self.name = f"{role}-{uuid.uuid4().hex[:8]}"
+        self.kv_managers = []
+        self.rank_infos: list[str] = []
+        if transfers:
+            gpu = torch.device(config.device).type == "cuda"
+            for tp_rank in range(tp_size):
+                self.kv_managers.append(ray.remote(KVManagerActor).options(
+                    num_cpus=0, num_gpus=0.1 if gpu else 0, scheduling_strategy=_beside_me(), max_restarts=0,
+                ).remote(self.agent_name(tp_rank), device=config.device, tp_size=tp_size, tp_rank=tp_rank,
+                         hold_timeout_s=hold_timeout_s, num_threads=num_threads, read_delay_s=read_delay_s))
+        self.workers = [RankWorker(config, self.kv_managers[0] if transfers else None, num_threads=num_threads,
+                                   tp_size=tp_size)]
+        if transfers:
+            specs, page_size, num_pages = self.workers[0].pool_specs()
+            self.rank_infos = ray.get([kvm.attach.remote(specs, page_size, num_pages) for kvm in self.kv_managers])
+
+    def agent_name(self, tp_rank: int) -> str:
+        return f"{self.name}-rank{tp_rank}"
+
+    @property
+    def worker(self) -> RankWorker:
+        return self.workers[0]
+
+    def shutdown(self) -> None:
+        import ray
+
+        for worker in self.workers:
+            worker.shutdown()
+        for kvm in self.kv_managers:
+            try:
+                ray.get(kvm.close.remote(), timeout=10)
+            except Exception:       # already dead: nothing to close
+                pass
+            ray.kill(kvm)
+
+
+def _beside_me():
+    """A scheduling strategy for an actor that must share memory with this process."""
+    import ray
+    from ray.util import get_current_placement_group
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+    pg = get_current_placement_group()
+    if pg is not None:
+        return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)

@@ -40,8 +40,8 @@ def _bench_args(url: str, label: str, concurrency: int, args) -> argparse.Namesp
 
 def _offline(target: str, drafter: str, prompts: list, concurrency: int, output_len: int) -> dict:
     """The engine alone: batches of ``concurrency`` prompts through ``LLM.generate``."""
-    from engine.llm import LLM
     from engine.sequence import SamplingParams
+    from spec_decode import LLM
 
     llm = _offline.cache.get((target, drafter)) or LLM(target, draft=drafter, num_pages=256)
     _offline.cache[(target, drafter)] = llm

@@ -45,7 +45,7 @@ def run(engine, prompts, max_tokens, batch):
 
 
 def demo_engines(args):
-    from engine import LLM
+    from spec_decode import LLM
 
     common = dict(page_size=16, max_num_batched_tokens=1024, device=args.device, dtype=args.dtype or "float32",
                   kv_cache_dtype=args.kv_cache_dtype)
@@ -60,8 +60,9 @@ def demo_engines(args):
 def random_engines(args):
     from benchmarks.engine_bench import PRESETS, make_hf
     from engine.checkpoint import Qwen3Config
-    from engine.llm import EngineConfig, build_engine_from_model
+    from engine.llm import EngineConfig
     from engine.model import Qwen3Model
+    from spec_decode import build_engine_from_model
     from spec_decode.drafter import DFlashConfig, DFlashDrafter, default_target_layer_ids
 
     device = torch.device(args.device)
@@ -95,7 +96,7 @@ def random_engines(args):
                         p + "mlp.down_proj.weight": rand(h, inter),
                         p + "input_layernorm.weight": torch.ones(h, device=device, dtype=dtype),
                         p + "post_attention_layernorm.weight": torch.ones(h, device=device, dtype=dtype)})
-    drafter = DFlashDrafter(dcfg, tensors, target, "random")
+    drafter = DFlashDrafter(dcfg, tensors, "random", max_positions=target.rope.max_positions)
     config = EngineConfig(model="random", device=args.device, dtype=str(dtype).removeprefix("torch."),
                           kv_cache_bytes=8 * 2**30, max_num_batched_tokens=4096, kv_cache_dtype=args.kv_cache_dtype)
     base = build_engine_from_model(target, config)

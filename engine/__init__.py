@@ -1,7 +1,8 @@
 """The target model, attention over the paged pool, the scheduler, the sampler and the offline LLM API."""
 
-from engine.llm import LLM, EngineConfig, build_engine
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm import LLM, EngineConfig, SpeculatorFactory, UnboundSpeculator, build_engine
+from engine.llm_engine import LLMEngine, Proposal, RequestOutput, Speculator
 from engine.sequence import SamplingParams
 
-__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams", "build_engine"]
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "Proposal", "RequestOutput", "SamplingParams", "Speculator",
+           "SpeculatorFactory", "UnboundSpeculator", "build_engine"]

@@ -1,15 +1,20 @@
-"""The offline API: ``LLM(model=DIR, draft=DIR, ...).generate(prompts, SamplingParams(...))``."""
+"""Engine assembly and the offline API: ``LLM(model=DIR, ...).generate(prompts, SamplingParams(...))``.
+
+The engine knows no drafter: speculative decoding comes in through a ``SpeculatorFactory`` that the caller
+passes (the DFlash package provides one, and its ``LLM`` / ``build_engine`` pass it).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from engine.checkpoint import CheckpointError
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine, RequestOutput, Speculator
 from engine.model import Qwen3Model
 from engine.sequence import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -59,12 +64,41 @@ class EngineConfig:
         return "triton" if torch.device(self.device).type == "cuda" else "torch"
 
 
-def _kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """A KV cache dtype setting (``kv_cache_dtype``, ``draft_kv_cache_dtype``) resolved: "auto" is the model's."""
     return model_dtype if name == "auto" else parse_dtype(name)
 
 
-def build_engine(config: EngineConfig, allocate: BufferAllocator | None = None) -> LLMEngine:
-    """Load the target (and drafter), decide the KV layout, size the pools and assemble an engine."""
+class UnboundSpeculator(Protocol):
+    """A speculator whose drafter is loaded but has no KV yet: what sizing the KV manager needs from it."""
+
+    kv_layer_specs: Sequence[KVLayerSpec]    # the draft layers' KV (owner DRAFT), in the draft KV dtype
+    lookahead_tokens: int                    # KV slots one step may write past the computed history
+
+    def bind(self, kv: KVCacheManager) -> Speculator:
+        """The speculator over its draft layers in ``kv`` (the engine's manager, built from the specs above)."""
+        ...
+
+
+class SpeculatorFactory(Protocol):
+    """How an engine gets a speculator without knowing the drafter: given the loaded target and the config, it
+    loads (or adopts) the drafter; the engine sizes the KV from the result, then binds it."""
+
+    def __call__(self, model: Qwen3Model, config: EngineConfig) -> UnboundSpeculator: ...
+
+
+def _require_speculator(config: EngineConfig, speculator: SpeculatorFactory | None) -> None:
+    if config.draft is not None and speculator is None:
+        raise ValueError(f"draft={config.draft!r} is set but no speculator factory was given: the engine loads no "
+                         "drafter itself. Build through the DFlash package's build_engine / LLM, or pass speculator= "
+                         "(a SpeculatorFactory)")
+
+
+def build_engine(config: EngineConfig, allocate: BufferAllocator | None = None,
+                 speculator: SpeculatorFactory | None = None) -> LLMEngine:
+    """Load the target, decide the KV layout, size the pools and assemble an engine; ``speculator`` loads the
+    drafter (required when ``config.draft`` is set)."""
+    _require_speculator(config, speculator)
     dtype = parse_dtype(config.dtype)
     if dtype == torch.float8_e4m3fn:
         raise ValueError("the model dtype cannot be fp8; use kv_cache_dtype for an FP8 KV cache")
@@ -72,32 +106,31 @@ def build_engine(config: EngineConfig, allocate: BufferAllocator | None = None) 
         raise CheckpointError(f"model directory {config.model!r} does not exist")
     model = Qwen3Model.from_pretrained(config.model, device=config.device, dtype=dtype)
     tokenizer = Tokenizer(config.model) if (Path(config.model) / "tokenizer.json").is_file() else None
-    return build_engine_from_model(model, config, allocate, tokenizer)
+    return build_engine_from_model(model, config, allocate, tokenizer, speculator)
 
 
 def build_engine_from_model(model: Qwen3Model, config: EngineConfig, allocate: BufferAllocator | None = None,
-                            tokenizer: Tokenizer | None = None, drafter=None) -> LLMEngine:
-    """Assemble an engine around a loaded target (and drafter); benchmarks pass random weights this way."""
+                            tokenizer: Tokenizer | None = None,
+                            speculator: SpeculatorFactory | None = None) -> LLMEngine:
+    """Assemble an engine around a loaded target (and the speculator's drafter); benchmarks pass random
+    weights this way."""
+    _require_speculator(config, speculator)
     dtype = model.dtype
     c = model.config
-    target_dtype = _kv_dtype(config.kv_cache_dtype, dtype)
+    target_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
     scale = config.kv_scale if target_dtype == torch.float8_e4m3fn else 1.0
     target_specs = make_layer_specs(LayerOwner.TARGET, c.num_hidden_layers, target_dtype, c.num_key_value_heads,
                                     c.head_dim, scale)
     draft_specs: list[KVLayerSpec] = []
     layout: KVLayout | None = None
     lookahead = config.num_extra_kv_tokens
-    if drafter is None and config.draft is not None:
-        from spec_decode.drafter import DFlashDrafter   # spec_decode builds on engine; imported on demand
-
-        drafter = DFlashDrafter.from_pretrained(config.draft, model, device=config.device, dtype=dtype)
-    if drafter is not None:
-        draft_dtype = _kv_dtype(config.draft_kv_cache_dtype, dtype)
-        draft_specs = drafter.kv_layer_specs(draft_dtype)
+    unbound = speculator(model, config) if speculator is not None else None
+    if unbound is not None:
+        draft_specs = list(unbound.kv_layer_specs)
         layout = decide_layout(config.shared_draft_kv, LayoutConfig(
             page_size=config.page_size, target_attention_backend=config.backend,
             draft_attention_backend=config.backend))
-        lookahead = max(lookahead, drafter.block_size)
+        lookahead = max(lookahead, unbound.lookahead_tokens)
     spaces = [target_specs + draft_specs] if (layout is None or layout.unified) else [target_specs, draft_specs]
     if config.num_pages is not None:
         pages = [config.num_pages] * len(spaces)
@@ -105,24 +138,21 @@ def build_engine_from_model(model: Qwen3Model, config: EngineConfig, allocate: B
         pages = split_budget(config.kv_cache_bytes, config.page_size, spaces)
     pools = [KVPool(specs, config.page_size, n, config.device, allocate) for specs, n in zip(spaces, pages)]
     kv = KVCacheManager(pools, lookahead_tokens=lookahead, enable_prefix_caching=config.enable_prefix_caching,
-                        drafter_in_use=drafter is not None)
+                        drafter_in_use=unbound is not None)
     max_model_len = min(config.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
-    speculator = None
-    if drafter is not None:
-        from spec_decode.dflash import DFlashSpeculator
-
-        speculator = DFlashSpeculator(drafter, kv, config.backend, config.num_spec_tokens)
     return LLMEngine(model, tokenizer, kv, backend=config.backend, max_num_seqs=config.max_num_seqs,
                      max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
-                     speculator=speculator, layout=layout)
+                     speculator=unbound.bind(kv) if unbound is not None else None, layout=layout)
 
 
 class LLM:
-    """Offline batch generation over one engine."""
+    """Offline batch generation over one engine. ``draft`` needs a ``speculator`` factory to load it (the
+    DFlash package's ``LLM`` is this class with its factory)."""
 
-    def __init__(self, model: str | Path, draft: str | Path | None = None, **kwargs):
+    def __init__(self, model: str | Path, draft: str | Path | None = None,
+                 speculator: SpeculatorFactory | None = None, **kwargs):
         self.config = EngineConfig(model=str(model), draft=None if draft is None else str(draft), **kwargs)
-        self.engine = build_engine(self.config)
+        self.engine = build_engine(self.config, speculator=speculator)
 
     @property
     def tokenizer(self) -> Tokenizer | None:

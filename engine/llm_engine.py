@@ -32,7 +32,7 @@ class Proposal:
 
 
 class Speculator(Protocol):
-    """What the step loop needs from a drafter (spec_decode.DFlashSpeculator implements it)."""
+    """What the step loop needs from a drafter; a ``SpeculatorFactory`` (engine.llm) makes one per engine."""
 
     num_spec_tokens: int
     capture_layers: tuple[int, ...]
@@ -42,6 +42,8 @@ class Speculator(Protocol):
     def verify(self, request: Request, proposal: Proposal, target_logits: torch.Tensor) -> list[int]: ...
 
     def store_context(self, items: Sequence[tuple[Request, int, torch.Tensor]]) -> None: ...
+
+    def clear_context(self, request: Request) -> None: ...
 
 
 @dataclass
@@ -55,6 +57,10 @@ class RequestOutput:
     num_cached_tokens: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
     new_token_ids: list[int] = field(default_factory=list)   # tokens added by the last step
+    # The text that became final since the request's previous output: while unfinished it holds back the
+    # last max(len(stop)) - 1 characters (a stop string may still begin there) and incomplete UTF-8; the
+    # finishing output gives the rest up to the stop. A request's text_deltas concatenate to its text.
+    text_delta: str = ""
 
     @property
     def acceptance_lengths(self) -> list[int]:
@@ -79,7 +85,8 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.runner = ModelRunner(model, kv, backend)
         self.scheduler = Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                   num_spec_tokens=speculator.num_spec_tokens if speculator else 0)
+                                   num_spec_tokens=speculator.num_spec_tokens if speculator else 0,
+                                   max_model_len=max_model_len)
         eos = set(model.config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
@@ -131,26 +138,37 @@ class LLMEngine:
                          request_id: str | None = None) -> Request | None:
         """Decode side of a disaggregated request: allocate pages for a prompt whose KV a peer computed.
 
-        Returns None (changing nothing) when the pool lacks pages now; the request is not scheduled
-        until ``activate_transfer`` says its KV has landed.
+        Returns None (changing nothing) when the pool lacks pages now. The request waits in TRANSFERRING,
+        never scheduled and its pages never freed, until ``finish_transfer`` says its READ has ended.
         """
         request_id, ids = self._validate(request_id, prompt_token_ids, params)
         if not 0 <= first_token < self.model.config.vocab_size:
             raise ValueError(f"first token {first_token} is outside the vocabulary")
         if not self.kv.allocate_slots(request_id, len(ids) + 1):
             return None
-        request = Request(request_id, ids, params)
+        request = Request(request_id, ids, params, status=RequestStatus.TRANSFERRING)
         request.output_token_ids.append(first_token)
         self.requests[request_id] = request
         return request
 
-    def activate_transfer(self, request_id: str, draft_context: bool = True) -> RequestOutput | None:
-        """The transferred KV is in the pages: start decoding (or finish at once if the first token ends it).
+    def finish_transfer(self, request_id: str, landed: bool, draft_context: bool = True) -> RequestOutput | None:
+        """The READ into a TRANSFERRING request's pages has ended: start decoding it in the next step.
 
+        ``landed=False`` (the READ failed) or an abort that came while the READ ran frees the pages now,
+        and only now: a READ never writes into pages another request owns. Returns the first output (its
+        ``finished`` is set when the first token already ends the request, or when it was dropped).
         ``draft_context=False``: the draft layers did not travel; they are zeroed, and the drafter starts
         from that empty context (the ablation).
         """
-        r = self.requests[request_id]
+        r = self.requests.get(request_id)
+        if r is None or r.status != RequestStatus.TRANSFERRING:
+            raise ValueError(f"request {request_id!r} is not awaiting a transfer")
+        if not landed or r.abort_after_transfer:
+            del self.requests[request_id]
+            self.kv.free(request_id)
+            r.status = RequestStatus.FINISHED
+            r.finish_reason = "abort" if r.abort_after_transfer else "error"
+            return RequestOutput(r.request_id, r.prompt_token_ids, [], "", True, r.finish_reason)
         r.num_computed_tokens = r.num_prompt_tokens
         r.num_draft_context = r.num_prompt_tokens
         if not draft_context and self.speculator is not None:
@@ -169,14 +187,24 @@ class LLMEngine:
 
     def release(self, request_id: str) -> None:
         """Free the held pages of a finished prefill request."""
+        request = self.requests.get(request_id)
+        if request is not None and not request.finished:
+            raise ValueError(f"request {request_id!r} is still {request.status.value}; abort it instead")
         self.requests.pop(request_id, None)
         self.kv.free(request_id)
 
     def abort(self, request_id: str) -> None:
-        """End a request wherever it is (queued, running, awaiting its transfer, or held) and free its pages."""
-        request = self.requests.pop(request_id, None)
+        """End a request wherever it is (queued, running, held) and free its pages.
+
+        A request whose KV is being read keeps its pages until ``finish_transfer``: the READ may still write.
+        """
+        request = self.requests.get(request_id)
         if request is None:
             return
+        if request.status == RequestStatus.TRANSFERRING:
+            request.abort_after_transfer = True
+            return
+        del self.requests[request_id]
         request.hold_pages = False
         if not request.finished:
             self._finish(request, "abort")
@@ -293,19 +321,31 @@ class LLMEngine:
         self.kv.commit(r.request_id, r.all_token_ids, r.num_computed_tokens, draft)
 
     def _append(self, r: Request, new_tokens: list[int]) -> list[int]:
-        """Append tokens until a stop condition; finish the request when one is met."""
+        """Append tokens until a stop condition; finish the request when one is met.
+
+        With a tokenizer, each token's text is detokenized incrementally onto ``r.output_text`` and stop
+        strings are looked for only where one could end in that new text; a stop cuts the text where it
+        begins. When the request ends otherwise, the text still held back (incomplete UTF-8) is added too.
+        """
+        detok = None
+        if self.tokenizer is not None:
+            if r.detokenizer is None:
+                r.detokenizer = self.tokenizer.detokenizer()
+            detok = r.detokenizer
         appended = []
         for token in new_tokens:
             r.output_token_ids.append(token)
             appended.append(token)
-            reason = None
-            if token in self.eos_token_ids and not r.params.ignore_eos:
-                reason = "stop"
-            elif r.params.stop and self.tokenizer is not None and \
-                    _stop_index(self.tokenizer.decode(r.output_token_ids), r.params.stop) is not None:
-                reason = "stop"
-            elif len(r.output_token_ids) >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
-                reason = "length"
+            if detok is not None and _extend_text(r, detok.step(r.output_token_ids)):
+                reason = "stop"                                  # a stop string: the text is cut at it
+            else:
+                reason = None
+                if token in self.eos_token_ids and not r.params.ignore_eos:
+                    reason = "stop"
+                elif len(r.output_token_ids) >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
+                    reason = "length"
+                if reason and detok is not None and _extend_text(r, detok.finish(r.output_token_ids)):
+                    reason = "stop"                              # a stop string in the held-back text
             if reason:
                 self._finish(r, reason)
                 break
@@ -315,15 +355,35 @@ class LLMEngine:
         return appended
 
     def _output(self, r: Request, appended: list[int]) -> RequestOutput:
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(r.output_token_ids)
-            cut = _stop_index(text, r.params.stop)
-            r.output_text = text if cut is None else text[:cut]
+        """The request's output now: its full text so far, and as text_delta the part that became final."""
+        end = len(r.output_text)
+        if not r.finished and r.params.stop:
+            end -= max(map(len, r.params.stop)) - 1     # a stop string may still begin there
+        delta = ""
+        if end > r.num_text_sent:
+            delta = r.output_text[r.num_text_sent:end]
+            r.num_text_sent = end
         return RequestOutput(r.request_id, r.prompt_token_ids, list(r.output_token_ids), r.output_text,
-                             r.finished, r.finish_reason, r.num_cached_tokens, r.spec, appended)
+                             r.finished, r.finish_reason, r.num_cached_tokens, r.spec, appended, delta)
 
 
-def _stop_index(text: str, stops: Sequence[str]) -> int | None:
-    """Where the earliest stop string begins in ``text`` (None if none occurs)."""
-    hits = [text.find(s) for s in stops if s in text]
+def _extend_text(r: Request, new: str) -> bool:
+    """Add newly detokenized text to ``r.output_text``; True (the text cut at it) when a stop string ends in it."""
+    if not new:
+        return False
+    r.output_text += new
+    if not r.params.stop:
+        return False
+    # Only a stop ending in the new text is new: it begins in its last len(new) + max(len(stop)) - 1 chars.
+    start = max(0, len(r.output_text) - len(new) - max(map(len, r.params.stop)) + 1)
+    cut = _stop_index(r.output_text, r.params.stop, start)
+    if cut is None:
+        return False
+    r.output_text = r.output_text[:cut]
+    return True
+
+
+def _stop_index(text: str, stops: Sequence[str], start: int = 0) -> int | None:
+    """Where the earliest stop string occurring in ``text[start:]`` begins (None if none occurs)."""
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
     return min(hits) if hits else None

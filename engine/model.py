@@ -20,25 +20,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
+def rope_table(head_dim: int, theta: float, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos/sin ``[max_positions, head_dim]`` of rotate-half RoPE."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    t = torch.arange(max_positions, dtype=torch.float32, device=device)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ``[..., T, heads, head_dim]`` rotated at ``positions`` ``[..., T]`` from a ``rope_table``."""
+    cos = cos[positions].unsqueeze(-2)
+    sin = sin[positions].unsqueeze(-2)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
 class RotaryEmbedding:
     """Rotate-half RoPE with a cos/sin table precomputed for every position."""
 
     def __init__(self, head_dim: int, theta: float, max_positions: int, device, dtype):
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-        t = torch.arange(max_positions, dtype=torch.float32, device=device)
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        cos, sin = rope_table(head_dim, theta, max_positions, device)
+        self.cos = cos.to(dtype)
+        self.sin = sin.to(dtype)
         self.max_positions = max_positions
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim] rotated at ``positions`` [T]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        return apply_rope(x, positions, self.cos, self.sin)
 
 
 @dataclass

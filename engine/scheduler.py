@@ -44,7 +44,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_spec_tokens: int = 0):
+                 num_spec_tokens: int = 0, max_model_len: int | None = None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1 + num_spec_tokens:
             raise ValueError("max_num_seqs must be >= 1 and max_num_batched_tokens must fit one decode row "
                              f"with its drafts ({1 + num_spec_tokens} tokens)")
@@ -52,6 +52,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_spec_tokens = num_spec_tokens
+        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -79,6 +80,13 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _num_drafts(self, request: Request, budget: int) -> int:
+        """Drafts for a decode row: as many as the budget allows, none past the model's context."""
+        if request.num_tokens - request.num_computed_tokens != 1:
+            return 0
+        room = budget if self.max_model_len is None else min(budget, self.max_model_len - request.num_tokens)
+        return max(0, min(self.num_spec_tokens, room))
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -95,8 +103,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                decode = request.num_tokens - request.num_computed_tokens == 1
-                spec = min(self.num_spec_tokens, budget - num_new) if decode else 0
+                spec = self._num_drafts(request, budget - num_new)
                 out.scheduled.append(ScheduledRequest(request, num_new, spec))
                 budget -= num_new + spec
         if out.preempted:
@@ -114,8 +121,7 @@ class Scheduler:
             request.num_cached_tokens = cached if request.num_preemptions == 0 else request.num_cached_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            decode = request.num_tokens - cached == 1
-            spec = min(self.num_spec_tokens, budget - num_new) if decode else 0
+            spec = self._num_drafts(request, budget - num_new)
             out.scheduled.append(ScheduledRequest(request, num_new, spec))
             budget -= num_new + spec
         return out

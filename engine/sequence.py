@@ -43,6 +43,7 @@ class SamplingParams:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    TRANSFERRING = "transferring"      # decode side: pages reserved, a peer's KV is being read into them
     FINISHED = "finished"
 
 
@@ -96,12 +97,15 @@ class Request:
     num_cached_tokens: int = 0         # prompt tokens reused from the prefix cache at admission
     finish_reason: str | None = None   # "stop" | "length" | "abort" | "error"
     output_text: str = ""
+    detokenizer: object | None = None  # engine.tokenizer.IncrementalDetokenizer, made at the first append
+    num_text_sent: int = 0             # characters of output_text already given out as text_delta
     num_preemptions: int = 0
     first_token_time: float | None = None
     spec: SpecStats = field(default_factory=SpecStats)
     generator: torch.Generator | None = None
     draft_context_valid: bool = True   # False: the drafter context over the prompt never arrived (ablation)
     hold_pages: bool = False           # keep the pages after finishing, until released (prefill for a peer)
+    abort_after_transfer: bool = False  # aborted while its KV was being read: free the pages when the READ ends
 
     def __post_init__(self):
         if self.params.seed is not None and self.generator is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from tokenizers import Tokenizer as _Tokenizer
@@ -25,6 +26,7 @@ class Tokenizer:
             eos = eos.get("content")
         self.eos_token_id = self._tok.token_to_id(eos) if eos else None
         self.chat_template = self.config.get("chat_template")
+        self._detok_ids: tuple[frozenset[int], frozenset[int]] | None = None   # made at the first detokenizer()
 
     @property
     def vocab_size(self) -> int:
@@ -38,3 +40,78 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def detokenizer(self) -> "IncrementalDetokenizer":
+        """A fresh incremental detokenizer for one growing sequence of ids (one per request)."""
+        if self._detok_ids is None:
+            self._detok_ids = _byte_fallback_ids(self._tok), frozenset(
+                i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        return IncrementalDetokenizer(self._tok, *self._detok_ids)
+
+
+def _byte_fallback_ids(tok: _Tokenizer) -> frozenset[int]:
+    """Ids a ByteFallback decoder turns into raw bytes (<0xNN>); empty when the decoder has none."""
+    def has_byte_fallback(node) -> bool:
+        if isinstance(node, dict):
+            return node.get("type") == "ByteFallback" or any(has_byte_fallback(v) for v in node.values())
+        return isinstance(node, list) and any(has_byte_fallback(v) for v in node)
+    if not has_byte_fallback(json.loads(tok.to_str()).get("decoder")):
+        return frozenset()
+    pattern = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+    return frozenset(i for t, i in tok.get_vocab(with_added_tokens=True).items() if pattern.fullmatch(t))
+
+
+class IncrementalDetokenizer:
+    """The text of a growing id sequence, decoding only a short window of ids per step.
+
+    The prefix-offset / read-offset scheme: ``ids[prefix_offset:read_offset]`` is the last chunk of ids
+    whose text was emitted, kept as context for decoders whose output for a token depends on its
+    neighbours (leading-space stripping); ``decode(ids[prefix_offset:])`` minus that context's text is
+    the new text. Text is emitted only once it cannot change: never while it ends in U+FFFD (an
+    incomplete UTF-8 sequence), does not extend the context's text, or ends in a byte-fallback token
+    (ByteFallback decodes a run of <0xNN> tokens, special tokens skipped, all at once: all U+FFFD
+    unless the whole run is valid UTF-8). ``finish`` emits what is still held back. Everything ``step``
+    and ``finish`` return concatenates to ``Tokenizer.decode(ids)`` (skip_special_tokens=True) for the
+    byte-level, byte-fallback, Metaspace and Fuse decoders; not for a decoder that rewrites earlier text
+    on later tokens (WordPiece's cleanup, " ' " -> "'"), which no generative model here uses.
+    """
+
+    __slots__ = ("_tok", "_byte_ids", "_special_ids", "prefix_offset", "read_offset", "_prefix_text")
+
+    def __init__(self, tok: _Tokenizer, byte_ids: frozenset[int] = frozenset(),
+                 special_ids: frozenset[int] = frozenset()):
+        self._tok = tok
+        self._byte_ids = byte_ids       # <0xNN> ids of a ByteFallback decoder
+        self._special_ids = special_ids  # skipped by decode: they do not end a byte run
+        self.prefix_offset = 0          # where the context window starts
+        self.read_offset = 0            # ids before this have their text emitted
+        self._prefix_text = ""          # decode(ids[prefix_offset:read_offset])
+
+    def step(self, ids: list[int]) -> str:
+        """The new final text once ``ids`` (the whole sequence so far) has grown; "" while held back."""
+        if len(ids) <= self.read_offset:
+            return ""
+        if self._byte_ids:
+            k = len(ids) - 1
+            while k >= self.read_offset and ids[k] in self._special_ids:
+                k -= 1
+            if k >= self.read_offset and ids[k] in self._byte_ids:
+                return ""               # a byte run still open: its text depends on how it ends
+        text = self._tok.decode(ids[self.prefix_offset:], skip_special_tokens=True)
+        if len(text) <= len(self._prefix_text) or text.endswith("\ufffd") or \
+                not text.startswith(self._prefix_text):
+            return ""
+        new = text[len(self._prefix_text):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        self._prefix_text = self._tok.decode(ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        return new
+
+    def finish(self, ids: list[int]) -> str:
+        """The held-back text at the end of the sequence (incomplete UTF-8 decodes to U+FFFD, as decode does)."""
+        if len(ids) <= self.read_offset:
+            return ""
+        text = self._tok.decode(ids[self.prefix_offset:], skip_special_tokens=True)
+        new = text[len(self._prefix_text):] if text.startswith(self._prefix_text) else ""
+        self.prefix_offset = self.read_offset = len(ids)
+        self._prefix_text = ""
+        return new

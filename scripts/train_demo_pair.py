@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # runnable from a checkout without installing
 
 from spec_decode import training as T  # noqa: E402
+from spec_decode.drafter import DFlashDrafter  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -95,12 +96,7 @@ def time_steps(preset: T.Preset, device: torch.device, steps: int, log) -> None:
     log(f"distill generation: {gen_token * 1e3:.2f}ms/token x {generated / 1e6:.1f}M tokens (at most) "
         f"= {gen_token * generated / 60:.0f} min")
 
-    config = T.DrafterConfig(
-        hidden_size=preset.hidden_size, num_hidden_layers=preset.num_draft_layers,
-        num_attention_heads=preset.num_heads, num_key_value_heads=preset.num_kv_heads, head_dim=preset.head_dim,
-        intermediate_size=preset.intermediate_size, vocab_size=vocab, block_size=preset.block_size,
-        mask_token_id=1, target_layer_ids=preset.target_layer_ids, num_target_layers=preset.num_layers)
-    drafter = T.DFlashDrafter(config).to(device)
+    drafter = DFlashDrafter.initialized(T.drafter_config(preset, vocab, mask_token_id=1)).to(device)
     optimizer = T.make_adamw(drafter, preset.drafter_lr, device)
     rows = preset.drafter_batch // scale
     sequences = torch.randint(4, vocab, (rows, preset.distill_seq_len), generator=gen, device=device)
@@ -125,7 +121,7 @@ def evaluate_saved(args: argparse.Namespace, preset: T.Preset, device: torch.dev
     prompts_path = args.prompts or args.out / "heldout.jsonl"
     prompts = [json.loads(line)["prompt"] for line in prompts_path.read_text().splitlines()]
     target = T.load_target(args.out / "target", device)
-    drafter = T.load_drafter(args.out / "drafter", device)
+    drafter = DFlashDrafter.from_pretrained(args.out / "drafter", device=device)
     prompt_ids = [tokenizer.encode(p, add_special_tokens=False).ids for p in prompts[:preset.num_eval_prompts]]
     acceptance = T.evaluate_acceptance(target, drafter, prompt_ids, preset.eval_new_tokens, log)
     log(f"acceptance: {json.dumps(acceptance)}")
@@ -204,23 +200,18 @@ def main() -> None:
     log(f"saved target: held-out loss {saved_loss:.4f}")
 
     sequences, prompt_lens = T.build_distill_set(target, train_ids, preset, device, log)
-    config = T.DrafterConfig(
-        hidden_size=preset.hidden_size, num_hidden_layers=preset.num_draft_layers,
-        num_attention_heads=preset.num_heads, num_key_value_heads=preset.num_kv_heads, head_dim=preset.head_dim,
-        intermediate_size=preset.intermediate_size, vocab_size=tokenizer.get_vocab_size(),
-        block_size=preset.block_size, mask_token_id=tokenizer.token_to_id(T.MASK_TOKEN),
-        target_layer_ids=preset.target_layer_ids, num_target_layers=preset.num_layers)
-    drafter = T.DFlashDrafter(config).to(device)
+    config = T.drafter_config(preset, tokenizer.get_vocab_size(), tokenizer.token_to_id(T.MASK_TOKEN))
+    drafter = DFlashDrafter.initialized(config).to(device)
     log(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, block {config.block_size}, "
         f"target layers {list(config.target_layer_ids)}")
     metrics["drafter"] = T.train_drafter(drafter, target, sequences, prompt_lens, preset, device, log)
     metrics["drafter"]["distill_sequences"] = sequences.shape[0]
-    T.save_drafter(drafter, args.out / "drafter")
+    drafter.save_pretrained(args.out / "drafter")
     del drafter, sequences
 
     # Evaluate the checkpoints as saved, in true fp32 (no TF32), on prompts the target never trained on.
     torch.backends.cuda.matmul.allow_tf32 = False
-    drafter = T.load_drafter(args.out / "drafter", device)
+    drafter = DFlashDrafter.from_pretrained(args.out / "drafter", device=device)
     prompt_ids = [tokenizer.encode(p["prompt"], add_special_tokens=False).ids
                   for p in prompts[:preset.num_eval_prompts]]
     metrics["acceptance"] = T.evaluate_acceptance(target, drafter, prompt_ids, preset.eval_new_tokens, log)

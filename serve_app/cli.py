@@ -57,7 +57,8 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
+    from engine import SamplingParams
+    from spec_decode import LLM
 
     prompts = _read_prompts(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -68,9 +68,10 @@ class Choice:
         self.ttft: float | None = None
         self.last_token_time: float | None = None
         self.token_gaps: list[float] = []   # seconds between chunks that carried tokens (inter-token latency)
-        self.text = ""                  # the full text so far (from the replica)
+        self.text = ""                  # the text so far: the replicas send only final text (stop strings cut)
         self.sent = 0                   # characters of it already sent
-        self.num_tokens = 0
+        self.token_ids: list[int] = []
+        self.ids_sent = 0               # token ids already sent (streams with return_token_ids)
         self.finish_reason: str | None = None
         self.spec: dict | None = None
         self.num_cached_tokens = 0
@@ -99,8 +100,8 @@ class Choice:
             else:
                 self.token_gaps.append(now - self.last_token_time)
             self.last_token_time = now
-        self.num_tokens += len(chunk["token_ids"])
-        self.text = chunk["text"]
+        self.token_ids += chunk["token_ids"]
+        self.text += chunk["text"]
         self.num_cached_tokens = chunk.get("num_cached_tokens", 0)
         if chunk["finished"]:
             self.done = True
@@ -109,17 +110,9 @@ class Choice:
         return chunk
 
     def delta(self) -> str:
-        """Unsent text, holding back what may still turn into a stop string or a split UTF-8 character."""
-        end = len(self.text)
-        if not self.done:
-            if self.params.stop:
-                end -= max(len(s) for s in self.params.stop) - 1
-            while end > self.sent and self.text[end - 1] == "\ufffd":
-                end -= 1
-        if end <= self.sent:
-            return ""
-        out = self.text[self.sent:end]
-        self.sent = end
+        """Text not sent yet."""
+        out = self.text[self.sent:]
+        self.sent = len(self.text)
         return out
 
     async def close(self) -> None:
@@ -277,14 +270,14 @@ class Ingress:
         self.inflight -= 1
         for c in choices:
             await c.close()
-            self.metrics.observe_finished(num_prompt_tokens=len(c.prompt_ids), num_generated=c.num_tokens,
+            self.metrics.observe_finished(num_prompt_tokens=len(c.prompt_ids), num_generated=len(c.token_ids),
                                           finish_reason=c.finish_reason or "abort", ttft=c.ttft,
                                           e2e=time.perf_counter() - c.start, spec=c.spec,
                                           token_gaps=c.token_gaps)
 
     def _usage(self, body, choices: list[Choice]) -> dict:
         prompt_tokens = sum(len(c.prompt_ids) for c in choices[::body.n])
-        completion = sum(c.num_tokens for c in choices)
+        completion = sum(len(c.token_ids) for c in choices)
         specs = [c.spec for c in choices if c.spec]
         drafts = sum(s["num_drafts"] for s in specs)
         accepted = sum(s["num_accepted_tokens"] for s in specs)
@@ -293,7 +286,10 @@ class Ingress:
                 "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in choices[::body.n])},
                 "spec_decode": {"num_drafts": drafts, "draft_tokens": sum(s["num_draft_tokens"] for s in specs),
                                 "accepted_tokens": accepted,
-                                "mean_acceptance_length": (1.0 + accepted / drafts) if drafts else None}}
+                                "mean_acceptance_length": (1.0 + accepted / drafts) if drafts else None,
+                                # per choice, per verification step: accepted drafts + 1
+                                "acceptance_lengths": [(c.spec or {}).get("acceptance_lengths", [])
+                                                       for c in choices]}}
 
     def _full_response(self, body, request_id: str, choices: list[Choice], chat: bool) -> dict:
         out = []
@@ -304,6 +300,8 @@ class Ingress:
                             "logprobs": None, "finish_reason": c.finish_reason})
             else:
                 out.append({"index": c.index, "text": text, "logprobs": None, "finish_reason": c.finish_reason})
+            if body.return_token_ids:
+                out[-1]["token_ids"] = list(c.token_ids)
         return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name, "choices": out,
                 "usage": self._usage(body, choices)}
@@ -315,12 +313,17 @@ class Ingress:
             obj["usage"] = usage
         return f"data: {json.dumps(obj)}\n\n"
 
-    def _choice_event(self, c: Choice, chat: bool, text: str, first: bool) -> dict:
+    def _choice_event(self, c: Choice, chat: bool, text: str, first: bool, token_ids: bool = False) -> dict:
         finish = c.finish_reason if c.done else None
         if chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            return {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": c.index, "text": text, "logprobs": None, "finish_reason": finish}
+            event = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            event = {"index": c.index, "text": text, "logprobs": None, "finish_reason": finish}
+        if token_ids:
+            event["token_ids"] = c.token_ids[c.ids_sent:]
+            c.ids_sent = len(c.token_ids)
+        return event
 
     async def _sse(self, body, request_id: str, choices: list[Choice], firsts: list[dict | None], chat: bool):
         """SSE events from every choice as its chunks arrive; a disconnect cancels and aborts them all."""
@@ -338,7 +341,7 @@ class Ingress:
         tasks = []
         try:
             for c, chunk in zip(choices, firsts):
-                yield self._event(request_id, chat, [self._choice_event(c, chat, c.delta(), first=True)], usage)
+                yield self._event(request_id, chat, [self._choice_event(c, chat, c.delta(), True, body.return_token_ids)], usage)
             tasks = [asyncio.create_task(pump(c)) for c in choices if not c.done]
             remaining = len(tasks)
             while remaining:
@@ -351,7 +354,7 @@ class Ingress:
                     continue
                 text = c.delta()
                 if text or c.done:
-                    yield self._event(request_id, chat, [self._choice_event(c, chat, text, first=False)], usage)
+                    yield self._event(request_id, chat, [self._choice_event(c, chat, text, False, body.return_token_ids)], usage)
             if body.include_usage:
                 yield self._event(request_id, chat, [], self._usage(body, choices))
             yield "data: [DONE]\n\n"

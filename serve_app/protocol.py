@@ -41,6 +41,7 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    return_token_ids: bool = False        # extra: each choice also carries its generated token ids
 
     @property
     def include_usage(self) -> bool:

@@ -32,8 +32,12 @@ class Router:
         if "chunk" in result:
             yield result["chunk"]
             return
-        gen = self.backends["decode"].options(stream=True).decode.remote(result["ticket"], result["rank_infos"],
-                                                                        result["kv_manager"])
+        ticket = result["ticket"]
+        try:
+            gen = self.backends["decode"].options(stream=True).decode.remote(ticket)
+        except BaseException:
+            ticket.cancel()        # nobody will READ the held pages: free them now, not at the hold timeout
+            raise
         first = True
         async for chunk in _cancel_on_exit(gen):
             if first and self.on_transfer is not None:

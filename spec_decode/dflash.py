@@ -1,4 +1,5 @@
-"""DFlash speculation in the step loop: draft blocks from the draft layers, verify, grow the drafter context."""
+"""DFlash speculation in the step loop: draft blocks from the draft layers, verify, grow the drafter context;
+and ``DFlashFactory``, the ``engine.SpeculatorFactory`` that gives an engine this speculator."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.llm import EngineConfig, kv_cache_dtype
 from engine.llm_engine import Proposal
+from engine.model import Qwen3Model
 from engine.model_runner import Row, build_metadata, layer_kv_of
 from engine.sampler import probabilities, sample_from
 from engine.scheduler import ScheduledRequest
@@ -18,9 +21,11 @@ from spec_decode.verify import verify_greedy, verify_sampling
 
 
 class DFlashSpeculator:
-    """Binds a drafter to its draft layers in the KV manager (the unified pool or a separate one)."""
+    """Binds a drafter to its draft layers in the KV manager (the unified pool or a separate one); the
+    target lends its embedding and LM head."""
 
-    def __init__(self, drafter: DFlashDrafter, kv: KVCacheManager, backend: str, num_spec_tokens: int | None = None):
+    def __init__(self, drafter: DFlashDrafter, target: Qwen3Model, kv: KVCacheManager, backend: str,
+                 num_spec_tokens: int | None = None):
         k = drafter.block_size - 1 if num_spec_tokens is None else num_spec_tokens
         if not 1 <= k <= drafter.block_size - 1:
             raise ValueError(f"num_spec_tokens must be in [1, {drafter.block_size - 1}] for block size "
@@ -30,6 +35,7 @@ class DFlashSpeculator:
             raise ValueError(f"the KV manager reserves {kv.lookahead_tokens} lookahead tokens; drafting "
                              f"{k} tokens needs {k + 1}")
         self.drafter = drafter
+        self.target = target
         self.kv = kv
         self.backend = backend
         self.num_spec_tokens = k
@@ -51,8 +57,9 @@ class DFlashSpeculator:
         mask = self.drafter.config.mask_token_id
         ids = torch.tensor([t for r in requests for t in [r.all_token_ids[-1]] + [mask] * num_drafts],
                            dtype=torch.int64, device=device)
-        hidden = self.drafter.forward_block(ids, positions, self.layer_kv, meta).view(len(requests), width, -1)
-        return self.drafter.compute_logits(hidden[:, 1:])      # slot k predicts position start + k
+        hidden = self.drafter.forward_block(self.target.embed(ids), positions, self.layer_kv, meta)
+        hidden = hidden.view(len(requests), width, -1)
+        return self.drafter.compute_logits(hidden[:, 1:], self.target.lm_head)   # slot k predicts start + k
 
     def propose(self, rows: Sequence[ScheduledRequest]) -> list[Proposal]:
         if not rows:
@@ -104,3 +111,37 @@ class DFlashSpeculator:
         for layer in self.layer_kv:
             layer.k_cache[pages.to(layer.k_cache.device)] = 0
             layer.v_cache[pages.to(layer.v_cache.device)] = 0
+
+
+class UnboundDFlash:
+    """``engine.UnboundSpeculator``: a DFlash drafter loaded for a target, before the engine's KV exists."""
+
+    def __init__(self, drafter: DFlashDrafter, target: Qwen3Model, config: EngineConfig):
+        self.drafter = drafter
+        self.target = target
+        self.backend = config.backend
+        self.num_spec_tokens = config.num_spec_tokens
+        self.kv_layer_specs = drafter.kv_layer_specs(kv_cache_dtype(config.draft_kv_cache_dtype, target.dtype))
+        # The block [anchor, MASK x k] is written after the history: up to block_size slots past it.
+        self.lookahead_tokens = drafter.block_size
+
+    def bind(self, kv: KVCacheManager) -> DFlashSpeculator:
+        return DFlashSpeculator(self.drafter, self.target, kv, self.backend, self.num_spec_tokens)
+
+
+class DFlashFactory:
+    """``engine.SpeculatorFactory`` for DFlash: loads the drafter that ``EngineConfig.draft`` names, in the
+    target's device and dtype, or adopts ``drafter``, one already in memory (benchmarks build random ones)."""
+
+    def __init__(self, drafter: DFlashDrafter | None = None):
+        self.drafter = drafter
+
+    def __call__(self, model: Qwen3Model, config: EngineConfig) -> UnboundDFlash:
+        drafter = self.drafter
+        if drafter is None:
+            if config.draft is None:
+                raise ValueError("DFlashFactory has no drafter: set EngineConfig.draft or pass one")
+            drafter = DFlashDrafter.from_pretrained(config.draft, model, device=config.device, dtype=model.dtype)
+        else:
+            drafter.config.check_target(model.config, "the given drafter")
+        return UnboundDFlash(drafter, model, config)

@@ -1,7 +1,8 @@
 """Training of the bundled demo pair: a small Qwen3 target on Python stdlib source and a DFlash drafter
 distilled from it, plus a dense greedy speculative-decoding evaluator that reports acceptance length.
 
-Everything here is plain torch + transformers and runs on CPU or one GPU; the serving engine never imports it.
+The target is plain transformers; the drafter is the one the engine serves (spec_decode.drafter), trained
+through its dense forward. Runs on CPU or one GPU; the serving engine never imports this module.
 """
 
 from __future__ import annotations
@@ -13,15 +14,16 @@ import math
 import random
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
+
+from spec_decode.drafter import DFlashConfig, DFlashDrafter
 
 EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|mask|>"
@@ -435,187 +437,16 @@ def load_target(target_dir: Path, device: torch.device, dtype: torch.dtype = tor
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Drafter: dense reference DFlash module (z-lab checkpoint layout)
+# Drafter: the serving drafter (spec_decode.drafter), trained through its dense forward
 # ---------------------------------------------------------------------------------------------------------------
 
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
-    """The reference default: one draft layer reads the middle layer, more read layers spread over 1..L-3."""
-    if num_draft_layers == 1:
-        return (num_target_layers // 2,)
-    start, end = 1, num_target_layers - 3
-    return tuple(round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers))
-
-
-@dataclass(frozen=True)
-class DrafterConfig:
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    block_size: int
-    mask_token_id: int
-    target_layer_ids: tuple[int, ...]
-    num_target_layers: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 2048
-
-    def to_json(self) -> dict:
-        fields = asdict(self)
-        dflash = {"mask_token_id": fields.pop("mask_token_id"),
-                  "target_layer_ids": list(fields.pop("target_layer_ids"))}
-        return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **fields, "dflash_config": dflash,
-                "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False, "dtype": "bfloat16"}
-
-    @classmethod
-    def from_json(cls, config: dict) -> "DrafterConfig":
-        dflash = config.get("dflash_config") or {}
-        layer_ids = dflash.get("target_layer_ids") or default_target_layer_ids(
-            config["num_target_layers"], config["num_hidden_layers"])
-        return cls(
-            hidden_size=config["hidden_size"], num_hidden_layers=config["num_hidden_layers"],
-            num_attention_heads=config["num_attention_heads"], num_key_value_heads=config["num_key_value_heads"],
-            head_dim=config["head_dim"], intermediate_size=config["intermediate_size"],
-            vocab_size=config["vocab_size"], block_size=config.get("block_size") or dflash["block_size"],
-            mask_token_id=dflash["mask_token_id"], target_layer_ids=tuple(layer_ids),
-            num_target_layers=config["num_target_layers"], rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=config.get("rope_theta", 10000.0),
-            max_position_embeddings=config.get("max_position_embeddings", 2048),
-        )
-
-
-class RMSNorm(nn.Module):
-    """Qwen3's RMSNorm: normalise in fp32, scale in the input dtype."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape (batch, 1, length, head_dim) for absolute positions (batch, length)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions.float()[..., None] * inv_freq
-    angles = torch.cat([freqs, freqs], dim=-1)[:, None]
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
-
-
-class DrafterAttention(nn.Module):
-    def __init__(self, config: DrafterConfig):
-        super().__init__()
-        self.config = config
-        hidden, heads, kv_heads, head_dim = (config.hidden_size, config.num_attention_heads,
-                                             config.num_key_value_heads, config.head_dim)
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
-        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
-
-    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        return x.view(x.shape[0], x.shape[1], n, self.config.head_dim).transpose(1, 2)
-
-    def forward(self, block: torch.Tensor, block_rope, context: torch.Tensor, context_rope,
-                attn_mask: torch.Tensor | None) -> torch.Tensor:
-        c = self.config
-        q = apply_rope(self.q_norm(self._heads(self.q_proj(block), c.num_attention_heads)), *block_rope)
-        # Keys/values over [context, block]: the context K/V are what an engine stores in the draft layer's pages.
-        k_ctx = apply_rope(self.k_norm(self._heads(self.k_proj(context), c.num_key_value_heads)), *context_rope)
-        k_blk = apply_rope(self.k_norm(self._heads(self.k_proj(block), c.num_key_value_heads)), *block_rope)
-        v_ctx = self._heads(self.v_proj(context), c.num_key_value_heads)
-        v_blk = self._heads(self.v_proj(block), c.num_key_value_heads)
-        group = c.num_attention_heads // c.num_key_value_heads
-        k = torch.cat([k_ctx, k_blk], dim=2).repeat_interleave(group, dim=1)
-        v = torch.cat([v_ctx, v_blk], dim=2).repeat_interleave(group, dim=1)
-        # Non-causal: every block query sees the whole context it is allowed and its whole block.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-        return self.o_proj(out.transpose(1, 2).reshape(block.shape[0], block.shape[1], -1))
-
-
-class DrafterMLP(nn.Module):
-    def __init__(self, config: DrafterConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DrafterLayer(nn.Module):
-    def __init__(self, config: DrafterConfig):
-        super().__init__()
-        self.self_attn = DrafterAttention(config)
-        self.mlp = DrafterMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, h, block_rope, context, context_rope, attn_mask):
-        # The context is already normalised (hidden_norm) and bypasses input_layernorm by design.
-        h = h + self.self_attn(self.input_layernorm(h), block_rope, context, context_rope, attn_mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class DFlashDrafter(nn.Module):
-    """Qwen3 decoder layers drafting a block from projected target features; no embedding and no LM head."""
-
-    def __init__(self, config: DrafterConfig):
-        super().__init__()
-        self.config = config
-        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_hidden_layers))
-        self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
-        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=0.02)
-
-    def project_context(self, target_features: torch.Tensor) -> torch.Tensor:
-        return self.hidden_norm(self.fc(target_features))
-
-    def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, target_features: torch.Tensor,
-                context_positions: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Final-normed hidden states of the block tokens; `attn_mask` (bool, True = attend) is over
-        [context, block] keys, None meaning every block query sees everything."""
-        c = self.config
-        context = self.project_context(target_features)
-        block_rope = rope_cos_sin(block_positions, c.head_dim, c.rope_theta)
-        context_rope = rope_cos_sin(context_positions.expand(context.shape[0], -1), c.head_dim, c.rope_theta)
-        h = block_embeds
-        for layer in self.layers:
-            h = layer(h, block_rope, context, context_rope, attn_mask)
-        return self.norm(h)
-
-
-def save_drafter(drafter: DFlashDrafter, out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().to(torch.bfloat16).contiguous().cpu() for name, t in drafter.state_dict().items()}
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(drafter.config.to_json(), indent=2) + "\n")
-
-
-def load_drafter(drafter_dir: Path, device: torch.device, dtype: torch.dtype = torch.float32) -> DFlashDrafter:
-    config = DrafterConfig.from_json(json.loads((drafter_dir / "config.json").read_text()))
-    drafter = DFlashDrafter(config)
-    drafter.load_state_dict(load_file(str(drafter_dir / "model.safetensors")), strict=True)
-    return drafter.to(device=device, dtype=dtype).eval()
+def drafter_config(preset: Preset, vocab_size: int, mask_token_id: int) -> DFlashConfig:
+    """The preset's drafter: the target's layer shapes, ``num_draft_layers`` deep, reading ``target_layer_ids``."""
+    return DFlashConfig(
+        hidden_size=preset.hidden_size, num_hidden_layers=preset.num_draft_layers,
+        num_attention_heads=preset.num_heads, num_key_value_heads=preset.num_kv_heads, head_dim=preset.head_dim,
+        intermediate_size=preset.intermediate_size, vocab_size=vocab_size, block_size=preset.block_size,
+        mask_token_id=mask_token_id, target_layer_ids=preset.target_layer_ids, num_target_layers=preset.num_layers)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -699,7 +530,7 @@ def drafter_loss(drafter: DFlashDrafter, target, sequences: torch.Tensor, prompt
         embeds = target.model.embed_tokens(block_tokens.view(S, -1))
         hidden = drafter(embeds, positions.view(S, -1), features, torch.arange(T, device=device)[None],
                          anchor_block_mask(anchors, T, B))
-        logits = target.lm_head(hidden.view(S, A, B, -1)[:, :, 1:])
+        logits = drafter.compute_logits(hidden.view(S, A, B, -1)[:, :, 1:], target.lm_head.weight)
         ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), reduction="none").view(S, A, B - 1)
     weights = slot_weights(B, device)
     loss = (ce * weights).sum() / (weights.sum() * S * A)
@@ -765,7 +596,7 @@ def speculative_greedy(target, drafter: DFlashDrafter, prompt: list[int],
         block_positions = torch.arange(anchor, anchor + c.block_size, device=device)[None]
         hidden = drafter(target.model.embed_tokens(block), block_positions,
                          features[:, :anchor], torch.arange(anchor, device=device)[None])
-        drafts = target.lm_head(hidden[:, 1:]).argmax(-1)                # slot k drafts position anchor + k
+        drafts = drafter.compute_logits(hidden[:, 1:], target.lm_head.weight).argmax(-1)   # slot k: anchor + k
         logits, features = target_forward(target, torch.cat([tokens, drafts], dim=1), c.target_layer_ids)
         target_next = logits[0, anchor:].argmax(-1)                      # the target's token after each block slot
         # Accept the longest run of drafts the target agrees with, then the target's own next token as a bonus.

@@ -6,7 +6,7 @@ import pytest
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A local Ray cluster for the whole session; actors take fractions of its 4 logical CPUs."""
-    ray = pytest.importorskip("ray")
+    import ray
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,

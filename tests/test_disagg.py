@@ -1,6 +1,11 @@
-"""Disaggregated prefill/decode on a real local Ray cluster with real NIXL (UCX over DRAM) between actors."""
+"""Disaggregated prefill/decode on a real local Ray cluster with real NIXL (UCX over DRAM) between actors.
+
+The replicas are the ones the Serve deployments run, started as Ray actors the way `generate --mode disagg`
+starts them.
+"""
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -8,10 +13,9 @@ import pytest
 
 pytestmark = pytest.mark.ray
 
-ray = pytest.importorskip("ray")
+import ray  # noqa: E402
 
-from actors.nixl_transfer import TransferError  # noqa: E402
-from actors.offline import run_disaggregated  # noqa: E402
+from actors.offline import ReplicaActor, run_disaggregated  # noqa: E402
 from actors.replica import AggregatedReplica, DecodeReplica, PrefillReplica  # noqa: E402
 from engine.llm import EngineConfig  # noqa: E402
 from engine.sequence import SamplingParams  # noqa: E402
@@ -25,18 +29,27 @@ TINY_PROMPTS = [[(7 * i + 3 * j) % 120 + 1 for j in range(n)] for i, n in enumer
 
 
 class Stack:
-    """One aggregated replica and one prefill/decode pair over the same engine config."""
+    """An aggregated replica, a prefill replica and decode replicas (with and without the draft-layer
+    transfer), each a Ray actor over one engine config."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, *, prefill_kwargs=None, decode_kwargs=None, ablated=True):
         self.config = config
-        self.agg = AggregatedReplica(config)
-        self.prefill = PrefillReplica(config)
-        self.decode = DecodeReplica(config)
-        self.decode.connect(self.prefill.rank_infos)
-        self.groups = [self.agg.group, self.prefill.group, self.decode.group]
+        self.agg = ReplicaActor(AggregatedReplica, config)
+        self.prefill = ReplicaActor(PrefillReplica, config, **(prefill_kwargs or {}))
+        self.decode = ReplicaActor(DecodeReplica, config, **(decode_kwargs or {}))
+        self.replicas = [self.agg, self.prefill, self.decode]
+        if ablated:
+            self.ablated = ReplicaActor(DecodeReplica, config, transfer_draft_kv=False)
+            self.replicas.append(self.ablated)
+
+    def generate(self, reqs):
+        return ray.get(self.agg.handle.generate_all.remote(reqs))
+
+    def prefill_all(self, reqs):
+        return [r["ticket"] for r in ray.get([self.prefill.handle.prefill.remote(*req) for req in reqs])]
 
     def shutdown(self):
-        for replica in (self.agg, self.prefill, self.decode):
+        for replica in self.replicas:
             replica.shutdown()
 
 
@@ -48,9 +61,16 @@ def requests(prompts, max_tokens=24, tag="r"):
 def wait_pages_free(stack: Stack, timeout_s: float = 5.0) -> list[int]:
     deadline = time.monotonic() + timeout_s
     while True:
-        in_use = [g.pages_in_use() for g in stack.groups]
+        in_use = [r.pages_in_use() for r in stack.replicas]
         if not any(in_use) or time.monotonic() > deadline:
             return in_use
+
+
+def wait_until(condition, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +78,31 @@ def tiny_drafter(tmp_path_factory):
     return checkpoints.write_tiny_drafter(tmp_path_factory.mktemp("tiny_drafter"))
 
 
+def tiny_config(tiny_target, tiny_drafter, **kwargs):
+    return EngineConfig(model=str(tiny_target), draft=str(tiny_drafter), num_pages=64, **kwargs)
+
+
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def tiny(request, ray_cluster, tiny_target, tiny_drafter):
     target_kv, draft_kv = LAYOUTS[request.param]
-    stack = Stack(EngineConfig(model=str(tiny_target), draft=str(tiny_drafter), num_pages=64,
-                               kv_cache_dtype=target_kv, draft_kv_cache_dtype=draft_kv))
+    stack = Stack(tiny_config(tiny_target, tiny_drafter, kv_cache_dtype=target_kv, draft_kv_cache_dtype=draft_kv))
+    yield stack
+    stack.shutdown()
+
+
+@pytest.fixture(scope="module")
+def short_holds(ray_cluster, tiny_target, tiny_drafter):
+    """Holds expire after 0.3 s."""
+    stack = Stack(tiny_config(tiny_target, tiny_drafter), prefill_kwargs={"hold_timeout_s": 0.3}, ablated=False)
+    yield stack
+    stack.shutdown()
+
+
+@pytest.fixture(scope="module")
+def slow_reads(ray_cluster, tiny_target, tiny_drafter):
+    """Every READ of the decode replica is held open for 3 s: a fault injected in its KV manager, since on
+    this machine a READ of a few pages ends within microseconds, too soon to cancel in the middle."""
+    stack = Stack(tiny_config(tiny_target, tiny_drafter), decode_kwargs={"read_delay_s": 3.0}, ablated=False)
     yield stack
     stack.shutdown()
 
@@ -71,54 +111,56 @@ def tiny(request, ray_cluster, tiny_target, tiny_drafter):
 def _pages_return_to_zero(request):
     """After every test, pages in use on every replica are back to zero (finished, timed out or failed)."""
     yield
-    for name in ("tiny", "demo"):
+    for name in ("tiny", "demo", "short_holds", "slow_reads"):
         if name in request.fixturenames:
             stack = request.getfixturevalue(name)
-            assert wait_pages_free(stack) == [0, 0, 0]
+            assert wait_pages_free(stack) == [0] * len(stack.replicas)
 
 
 def test_disaggregated_equals_aggregated_on_tiny_pair(tiny):
     reqs = requests(TINY_PROMPTS)
-    agg = tiny.agg.generate(reqs)
-    disagg, timings = run_disaggregated(tiny.prefill, tiny.decode, reqs)
+    agg = tiny.generate(reqs)
+    disagg, _ = run_disaggregated(tiny.prefill, tiny.decode, reqs)
     assert [o.token_ids for o in disagg] == [o.token_ids for o in agg]
     assert [o.acceptance_lengths for o in disagg] == [o.acceptance_lengths for o in agg]
     assert all(len(o.token_ids) == 24 for o in disagg)
-    assert len(timings.read_s) == len(reqs)
+
+
+def digests(replica, tables, owners=("target", "draft")):
+    return {o: ray.get(replica.handle.page_digest.remote(tables, (o,))) for o in owners}
+
+
+def decode_chunks(replica, ticket) -> list[dict]:
+    """Every chunk of one decode stream, read through Ray's streaming generator."""
+    return [ray.get(ref) for ref in replica.handle.decode.options(num_returns="streaming").remote(ticket)]
 
 
 def test_transfer_moves_target_and_draft_pages_byte_for_byte(tiny):
-    info = RankInfo.from_json(tiny.decode.group.ranks[0].rank_info)
+    info = RankInfo.from_json(ray.get(tiny.decode.handle.rank_infos.remote())[0])
     sizes = {layer.owner: layer.element_size for layer in info.layers}
     assert sizes["draft"] == 2 and sizes["target"] == (1 if tiny.config.kv_cache_dtype == "fp8" else 2)
-    tickets, _ = tiny.prefill.prefill(requests(TINY_PROMPTS[2:3], tag="bytes"))
-    ticket = tickets[0]
-    prefill_worker, decode_worker = tiny.prefill.group.worker, tiny.decode.group.worker
-    before = {o: ray.get(prefill_worker.page_digest.remote(ticket.tables, (o,))) for o in ("target", "draft")}
-    stats = tiny.decode.receive(ticket)
-    after = {o: ray.get(decode_worker.page_digest.remote(stats["tables"], (o,))) for o in ("target", "draft")}
-    assert after == before
+    # 32 tokens: two full pages, which decoding (positions 32 on) never writes again.
+    ticket = tiny.prefill_all(requests([TINY_PROMPTS[3][:32]], tag="bytes"))[0]
+    before = digests(tiny.prefill, ticket.tables)
+    chunks = decode_chunks(tiny.decode, ticket)
+    stats = chunks[0]["transfer"]
+    assert digests(tiny.decode, stats["tables"]) == before
     pages = sum(len(t) for t in ticket.tables)
     assert stats["bytes"] == pages * sum(g.page_stride for g in info.groups)
-    tiny.decode.run()
+    # Adjacent pages go as one descriptor: never more than one per page and group.
+    assert 1 <= stats["descriptors"] <= pages * len(info.groups)
+    assert sum(len(c["token_ids"]) for c in chunks) == 24 and chunks[-1]["finish_reason"] == "length"
 
 
 def test_ablation_moves_target_layers_only_and_stays_lossless(tiny):
     reqs = requests(TINY_PROMPTS, tag="ablate")
-    agg = tiny.agg.generate(reqs)
-    tiny.decode.transfer_draft_kv = False
-    try:
-        tickets, _ = tiny.prefill.prefill(reqs[2:3])
-        draft_before = ray.get(tiny.prefill.group.worker.page_digest.remote(tickets[0].tables, ("draft",)))
-        target_before = ray.get(tiny.prefill.group.worker.page_digest.remote(tickets[0].tables, ("target",)))
-        stats = tiny.decode.receive(tickets[0])
-        worker = tiny.decode.group.worker
-        assert ray.get(worker.page_digest.remote(stats["tables"], ("target",))) == target_before
-        assert ray.get(worker.page_digest.remote(stats["tables"], ("draft",))) != draft_before
-        tiny.decode.run()
-        disagg, _ = run_disaggregated(tiny.prefill, tiny.decode, reqs)
-    finally:
-        tiny.decode.transfer_draft_kv = True
+    agg = tiny.generate(reqs)
+    ticket = tiny.prefill_all(requests([TINY_PROMPTS[3][:32]], tag="ablate-bytes"))[0]
+    before = digests(tiny.prefill, ticket.tables)
+    stats = decode_chunks(tiny.ablated, ticket)[0]["transfer"]
+    after = digests(tiny.ablated, stats["tables"])
+    assert after["target"] == before["target"] and after["draft"] != before["draft"]
+    disagg, _ = run_disaggregated(tiny.prefill, tiny.ablated, reqs)
     assert [o.token_ids for o in disagg] == [o.token_ids for o in agg]
 
 
@@ -138,8 +180,8 @@ def _add_draft_layer(payload: str) -> str:
 
 
 def test_peer_registration_refuses_draft_layer_mismatch_and_accepts_match(tiny):
-    kvm = tiny.decode.group.kv_manager
-    payload = tiny.prefill.rank_infos[0]
+    kvm = ray.get(tiny.decode.handle.kv_managers.remote())[0]
+    payload = ray.get(tiny.prefill.handle.rank_infos.remote())[0]
     with pytest.raises(PeerMismatchError, match=r"number of draft layers differs \(this rank 1, peer 0\)"):
         ray.get(kvm.register_peer.remote(_drop_draft_layers(payload, 0)))
     with pytest.raises(PeerMismatchError, match=r"number of draft layers differs \(this rank 1, peer 2\)"):
@@ -147,40 +189,88 @@ def test_peer_registration_refuses_draft_layer_mismatch_and_accepts_match(tiny):
     assert ray.get(kvm.register_peer.remote(payload)) == json.loads(payload)["agent_name"]
 
 
-def test_unread_prefill_pages_are_freed_by_the_hold_timeout(tiny):
-    kvm = tiny.prefill.group.kv_manager
-    timed_out = ray.get(kvm.hold_stats.remote())["timed_out"]
-    tickets, _ = tiny.prefill.prefill(requests(TINY_PROMPTS[:2], tag="never-read"), hold_timeout_s=0.3)
-    assert tiny.prefill.group.pages_in_use() > 0
-    deadline = time.monotonic() + 5
-    while tiny.prefill.group.pages_in_use() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert tiny.prefill.group.pages_in_use() == 0
-    assert ray.get(kvm.hold_stats.remote())["timed_out"] == timed_out + len(tickets)
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_idle_kv_managers_use_no_cpu(tiny):
+    """Waiting is blocking: an idle KV manager (no NIXL progress thread, no poller) stays under 2% of a core."""
+    managers = [ray.get(r.handle.kv_managers.remote())[0] for r in (tiny.prefill, tiny.decode)]
+    pids = [ray.get(kvm.__ray_call__.remote(lambda self: os.getpid())) for kvm in managers]
+    before, start = [cpu_seconds(pid) for pid in pids], time.monotonic()
+    time.sleep(3)
+    elapsed = time.monotonic() - start
+    fractions = [(cpu_seconds(pid) - b) / elapsed for pid, b in zip(pids, before)]
+    assert max(fractions) < 0.02, fractions
+
+
+def hold_stats(stack):
+    return ray.get(ray.get(stack.prefill.handle.kv_managers.remote())[0].hold_stats.remote())
+
+
+def test_unread_prefill_pages_are_freed_by_the_hold_timeout(short_holds):
+    timed_out = hold_stats(short_holds)["timed_out"]
+    tickets = short_holds.prefill_all(requests(TINY_PROMPTS[:2], tag="never-read"))
+    assert short_holds.prefill.pages_in_use() > 0
+    wait_until(lambda: short_holds.prefill.pages_in_use() == 0)
+    assert hold_stats(short_holds)["timed_out"] == timed_out + len(tickets)
+
+
+def test_an_expired_hold_is_never_read_and_fails_cleanly(short_holds):
+    """The lease expired before the decode side began its READ: the READ is refused (the pages may already
+    hold another request's KV), the request fails with a transfer error, and both sides free everything."""
+    refused = hold_stats(short_holds)["refused"]
+    ticket = short_holds.prefill_all(requests(TINY_PROMPTS[1:2], tag="expired"))[0]
+    wait_until(lambda: short_holds.prefill.pages_in_use() == 0)        # the 0.3 s hold ran out
+    chunks = decode_chunks(short_holds.decode, ticket)
+    assert [c["type"] for c in chunks] == ["error"] and chunks[0]["error_type"] == "transfer_error"
+    assert "expired or was cancelled" in chunks[0]["message"]
+    assert hold_stats(short_holds)["refused"] == refused + 1
+
+
+def test_a_cancel_during_a_slow_read_frees_after_it_and_others_are_unaffected(slow_reads):
+    """A client that goes away while its READ is in flight: the pages stay until the READ ends, then both
+    sides free them; a request decoded right after gets exactly its solo output."""
+    stack = slow_reads
+    solo = stack.generate(requests(TINY_PROMPTS[2:3], tag="solo"))[0]
+    ticket = stack.prefill_all(requests(TINY_PROMPTS[3:4], tag="cancelled"))[0]
+    stream = stack.decode.handle.decode.options(num_returns="streaming").remote(ticket)
+    wait_until(lambda: hold_stats(stack)["reading"] == 1, 5)      # the READ has begun; it is held open for 3 s
+    ray.cancel(stream)
+    time.sleep(0.5)
+    assert hold_stats(stack)["reading"] == 1
+    assert stack.decode.pages_in_use() > 0, "pages were freed while the READ could still write into them"
+    wait_until(lambda: stack.decode.pages_in_use() == 0 and stack.prefill.pages_in_use() == 0)
+    ticket = stack.prefill_all(requests(TINY_PROMPTS[2:3], tag="after"))[0]
+    chunks = decode_chunks(stack.decode, ticket)
+    assert [t for c in chunks for t in c["token_ids"]] == solo.token_ids
 
 
 def test_failed_transfer_fails_the_request_and_frees_both_sides(tiny):
     """The decode side registers the prefill peer with descriptors that point outside its registered memory
     (as after the peer re-registered its pool): NIXL itself refuses the READ."""
-    kvm = tiny.decode.group.kv_manager
-    payload = tiny.prefill.rank_infos[0]
+    # One request first, so the decode replica knows the peer and will not register it again from a ticket.
+    decode_chunks(tiny.decode, tiny.prefill_all(requests(TINY_PROMPTS[:1], tag="known-peer"))[0])
+    kvm = ray.get(tiny.decode.handle.kv_managers.remote())[0]
+    payload = ray.get(tiny.prefill.handle.rank_infos.remote())[0]
     stale = json.loads(payload)
     for group in stale["groups"]:
         group["base_address"] += 1 << 40
     ray.get(kvm.register_peer.remote(json.dumps(stale)))
-    cancelled = ray.get(tiny.prefill.group.kv_manager.hold_stats.remote())["cancelled"]
+    read_before = hold_stats(tiny)["read"]
     try:
-        tickets, _ = tiny.prefill.prefill(requests(TINY_PROMPTS[1:2], tag="fail"), hold_timeout_s=60)
-        with pytest.raises(TransferError, match="request fail-0 failed: KV transfer from .* could not start"):
-            tiny.decode.receive(tickets[0])
+        ticket = tiny.prefill_all(requests(TINY_PROMPTS[1:2], tag="fail"))[0]
+        chunks = decode_chunks(tiny.decode, ticket)
     finally:
         ray.get(kvm.register_peer.remote(payload))
-    assert tiny.decode.group.pages_in_use() == 0
-    deadline = time.monotonic() + 5
-    while tiny.prefill.group.pages_in_use() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert tiny.prefill.group.pages_in_use() == 0     # freed by the cancel notification, long before the hold expires
-    assert ray.get(tiny.prefill.group.kv_manager.hold_stats.remote())["cancelled"] == cancelled + 1
+    assert [c["type"] for c in chunks] == ["error"] and chunks[0]["error_type"] == "transfer_error"
+    assert "fail-0" in chunks[0]["message"] and "could not start" in chunks[0]["message"]
+    assert tiny.decode.pages_in_use() == 0
+    # Freed as the READ ended, long before the 30 s hold would expire.
+    wait_until(lambda: tiny.prefill.pages_in_use() == 0, 5)
+    assert hold_stats(tiny)["read"] == read_before + 1
 
 
 # --- the demo pair: acceptance that means something ---------------------------------------------------------
@@ -207,7 +297,7 @@ def demo_requests(tag):
 
 def test_demo_disaggregated_acceptance_equals_aggregated(demo):
     reqs = demo_requests("demo")
-    agg = demo.agg.generate(reqs)
+    agg = demo.generate(reqs)
     disagg, _ = run_disaggregated(demo.prefill, demo.decode, reqs)
     assert [o.token_ids for o in disagg] == [o.token_ids for o in agg]
     assert [o.acceptance_lengths for o in disagg] == [o.acceptance_lengths for o in agg]
@@ -216,12 +306,8 @@ def test_demo_disaggregated_acceptance_equals_aggregated(demo):
 
 def test_demo_ablation_lowers_acceptance_and_stays_lossless(demo):
     reqs = demo_requests("demo-ablate")
-    agg = demo.agg.generate(reqs)
-    demo.decode.transfer_draft_kv = False
-    try:
-        ablated, _ = run_disaggregated(demo.prefill, demo.decode, reqs)
-    finally:
-        demo.decode.transfer_draft_kv = True
+    agg = demo.generate(reqs)
+    ablated, _ = run_disaggregated(demo.prefill, demo.ablated, reqs)
     assert [o.token_ids for o in ablated] == [o.token_ids for o in agg]
 
     def mean_al(outputs):

@@ -44,7 +44,9 @@ def test_eos_stops_and_ignore_eos_continues(tiny_target, tmp_path):
 
 
 def test_stop_string_truncates_text_and_frees_pages():
-    llm = LLM(DEMO / "target", draft=DEMO / "drafter")
+    from spec_decode import LLM as SpecLLM
+
+    llm = SpecLLM(DEMO / "target", draft=DEMO / "drafter")
     prompt = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n"
     free = llm.generate([prompt], SamplingParams(max_tokens=48, ignore_eos=True))[0]
     assert "\n" in free.text.strip("\n")
@@ -98,3 +100,24 @@ def test_cli_reports_bad_input_clearly(tmp_path):
     done = subprocess.run([sys.executable, "-m", "serve_app.cli", "generate", "--model", str(tmp_path / "nope"),
                            "--prompt", "x"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "does not exist" in done.stderr
+
+
+def test_engine_alone_refuses_a_draft_it_cannot_load(tiny_target, tmp_path):
+    """The engine loads no drafter: ``draft`` without a speculator factory is an error, never target-only."""
+    from engine import EngineConfig, build_engine
+    from tests import checkpoints
+
+    draft = checkpoints.write_tiny_drafter(tmp_path / "drafter")
+    with pytest.raises(ValueError, match="no speculator factory"):
+        LLM(tiny_target, draft=draft)
+    with pytest.raises(ValueError, match="no speculator factory"):
+        build_engine(EngineConfig(model=str(tiny_target), draft=str(draft)))
+
+
+def test_engine_does_not_import_spec_decode(tiny_target):
+    engine_dir = Path(__file__).resolve().parents[1] / "engine"
+    assert [p.name for p in engine_dir.rglob("*.py") if "spec_decode" in p.read_text()] == []
+    code = ("import sys; from engine import LLM; LLM(sys.argv[1]); "
+            "assert not [m for m in sys.modules if m.split('.')[0] == 'spec_decode'], 'spec_decode was imported'")
+    done = subprocess.run([sys.executable, "-c", code, str(tiny_target)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -8,13 +8,13 @@ import pytest
 
 pytestmark = pytest.mark.ray
 
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
-openai = pytest.importorskip("openai")
+import openai  # noqa: E402
+import ray  # noqa: E402
+from ray import serve  # noqa: E402
 
 from engine.sequence import SamplingParams  # noqa: E402
 from serve_app.app import build_app  # noqa: E402
-from tests.test_serve_support import (free_port, metric_samples, metric_sum, service_args, wait_healthy,  # noqa: E402
+from tests.test_serve_support import (CHUNK, free_port, metric_samples, metric_sum, service_args, wait_healthy,  # noqa: E402
                                       write_tiny_pair)
 
 PROMPTS = ["Hello world", "The quick brown fox", "abc"]
@@ -42,10 +42,10 @@ def server(ray_cluster, tiny_pair):
 
 @pytest.fixture(scope="module")
 def offline(tiny_pair):
-    from engine.llm import LLM
+    from spec_decode import LLM
 
     target, drafter = tiny_pair
-    return LLM(target, draft=drafter, num_pages=64)
+    return LLM(target, draft=drafter, num_pages=64, max_num_batched_tokens=CHUNK)
 
 
 @pytest.fixture
@@ -160,11 +160,35 @@ def test_errors_have_the_openai_shape_and_leave_the_server_healthy(server, body,
     assert_healthy_and_free(server)
 
 
-def test_request_over_the_kv_pool_is_400_from_the_replica(server):
-    # 24 pages x 16 tokens: a prompt plus max_tokens within the 512-token context still overflows the pool.
-    r = httpx.post(f"{server}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 400,
-                                                     "stream": True}, timeout=60)
-    assert "KV pages" in assert_error(r, 400)["message"]
+def long_prompt(n: int, seed: int) -> list[int]:
+    return [4 + (seed * 31 + 7 * j + j * j) % 95 for j in range(n)]
+
+
+def greedy_ids(client, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    r = client.completions.create(model="tiny", prompt=prompt_ids, max_tokens=max_tokens, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == max_tokens
+    return r.choices[0].model_extra["token_ids"]
+
+
+@pytest.mark.parametrize("length", [1, CHUNK, 3 * CHUNK - 5, 512 - 8], ids=["one-token", "one-chunk",
+                                                                              "three-chunks", "context-limit"])
+def test_prompts_of_any_length_are_prefilled_whole(client, offline, server, length):
+    """The prefill replica hands a request over only once every chunk of its prompt is computed."""
+    prompt = long_prompt(length, seed=length)
+    expected = offline.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    assert greedy_ids(client, prompt, 8) == expected
+    assert_healthy_and_free(server)
+
+
+def test_concurrent_long_prompts_each_equal_their_offline_output(client, offline, server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [long_prompt(4 * CHUNK + 17 * i, seed=100 + i) for i in range(MAX_CONCURRENT)]
+    expected = [o.token_ids for o in offline.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda p: greedy_ids(client, p, 12), prompts))
+    assert got == expected
     assert_healthy_and_free(server)
 
 

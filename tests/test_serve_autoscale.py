@@ -8,8 +8,8 @@ import pytest
 
 pytestmark = pytest.mark.ray
 
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
+import ray  # noqa: E402
+from ray import serve  # noqa: E402
 
 from serve_app.app import build_app  # noqa: E402
 from tests.test_serve_support import free_port, service_args, wait_healthy, write_tiny_pair  # noqa: E402

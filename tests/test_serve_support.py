@@ -11,6 +11,7 @@ import httpx
 
 from tests import checkpoints
 
+CHUNK = 64      # the tiny service's prefill chunk (max_num_batched_tokens): long prompts take several steps
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -48,7 +49,7 @@ def service_args(target: Path, drafter: Path, mode: str = "disaggregated", **ove
     """A ServiceConfig dict for the tiny pair: small CPU shares, fast metric reports."""
     engine = {"num_cpus": 0.25}
     args = {"mode": mode, "model": {"model": str(target), "draft": str(drafter), "served_model_name": "tiny",
-                                    "num_pages": 24, "max_model_len": 512},
+                                    "num_pages": 64, "max_model_len": 512, "max_num_batched_tokens": CHUNK},
             "ingress": {"num_replicas": 1, "num_cpus": 0.1, "max_ongoing_requests": 256},
             "aggregated": dict(engine), "prefill": dict(engine), "decode": dict(engine),
             "metrics_report_interval_s": 0.2}

@@ -5,12 +5,13 @@ import json
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.checkpoint import CheckpointError
 from engine.llm_engine import Proposal
 from kv import LayerOwner
 from kv.layout import LayoutConfig, decide_layout
-from spec_decode import dflash
+from spec_decode import LLM, dflash
+from spec_decode.drafter import DFlashConfig, DFlashDrafter, checkpoint_shapes
 from spec_decode.verify import verify_sampling
 from tests import checkpoints
 
@@ -164,6 +165,109 @@ def test_drafter_matches_independent_dense_implementation(tiny_target, drafter_d
     assert ((got - want).norm() / want.norm()).item() < 1e-4
     engine.abort(r.request_id)
     assert engine.kv.pages_in_use() == 0
+
+
+def rel_err(got, want):
+    return ((got - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("shared", ["on", "off"])
+def test_training_forward_matches_paged_serving_forward(tiny_target, drafter_dir, shared, monkeypatch):
+    """The one drafter, same weights: its dense training forward (two anchored blocks in one sequence under
+    the anchor mask) gives the logits its paged serving forward gives for the same block, float32."""
+    from spec_decode.training import anchor_block_mask
+
+    llm = LLM(tiny_target, draft=drafter_dir, page_size=4, shared_draft_kv=shared, max_num_batched_tokens=8)
+    engine, spec = llm.engine, llm.engine.speculator
+    captured = []                       # the target features serving projects into the draft layers' pages
+    store = spec.store_context
+    monkeypatch.setattr(spec, "store_context", lambda items: (captured.extend(h for _, _, h in items), store(items)))
+    prompt = list(range(30, 49))        # 19 tokens: three prefill chunks of 8, 8 and 3
+    r = engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    while r.num_computed_tokens < len(prompt):
+        engine.step()
+    served = spec.draft_logits([r], 3)[0]                                   # [3, V]
+    engine.abort(r.request_id)
+
+    drafter, target = spec.drafter, engine.model
+    n, B = len(prompt), drafter.block_size
+    with torch.inference_mode():
+        features = torch.cat(captured)[None]                                # [1, n, 2H]
+        anchors = torch.tensor([[6, n]])                                    # block 1 is the served one
+        positions = anchors[:, :, None] + torch.arange(B)                   # [1, 2, B]
+        block = torch.full((1, 2, B), drafter.config.mask_token_id)
+        block[0, :, 0] = torch.tensor([prompt[6], r.output_token_ids[0]])
+        embeds = target.embed(block.view(1, -1))
+        hidden = drafter(embeds, positions.view(1, -1), features, torch.arange(n)[None],
+                         anchor_block_mask(anchors, n, B))
+        trained = drafter.compute_logits(hidden.view(1, 2, B, -1)[0, :, 1:], target.lm_head)   # [2, 3, V]
+        # Block 0 under the mask == block 0 alone over the context before its anchor.
+        alone = drafter(embeds[:, :B], positions[0, :1], features[:, :6], torch.arange(6)[None])
+        alone = drafter.compute_logits(alone[0, 1:], target.lm_head)
+    assert rel_err(trained[1], served) < 1e-5
+    assert rel_err(trained[0], alone) < 1e-5
+    assert trained[1].argmax(-1).tolist() == served.argmax(-1).tolist()
+
+
+def test_drafter_checkpoint_round_trip(tmp_path):
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    # The bundled drafter, loaded and saved again, is the same checkpoint: config.json text, names, values.
+    demo = Path(__file__).resolve().parents[1] / "models" / "demo" / "drafter"
+    DFlashDrafter.from_pretrained(demo, dtype=torch.bfloat16).save_pretrained(tmp_path / "demo")
+    assert (tmp_path / "demo" / "config.json").read_text() == (demo / "config.json").read_text()
+    want, got = load_file(str(demo / "model.safetensors")), load_file(str(tmp_path / "demo" / "model.safetensors"))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+    # A freshly initialised drafter: save -> load keeps its config and (bf16-rounded) weights.
+    config = DFlashConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, vocab_size=128, block_size=4, mask_token_id=1,
+                          target_layer_ids=(0, 2), num_target_layers=3)
+    fresh = DFlashDrafter.initialized(config, generator=torch.Generator().manual_seed(0))
+    fresh.save_pretrained(tmp_path / "fresh")
+    saved = load_file(str(tmp_path / "fresh" / "model.safetensors"))
+    assert {k: tuple(v.shape) for k, v in saved.items()} == checkpoint_shapes(config)
+    assert all(v.dtype == torch.bfloat16 for v in saved.values())
+    loaded = DFlashDrafter.from_pretrained(tmp_path / "fresh")
+    assert loaded.config == config
+    for name, t in fresh.checkpoint_tensors().items():
+        assert torch.equal(loaded.checkpoint_tensors()[name], t.to(torch.bfloat16).float()), name
+    assert fresh.state_dict().keys() == loaded.state_dict().keys()
+
+
+def test_tiny_drafter_training_runs_end_to_end(tmp_path):
+    """The training loop on a tiny target: a few steps move the weights, the saved drafter evaluates, and
+    the engine serves the trained pair losslessly."""
+    import dataclasses
+    import math
+
+    from spec_decode import training as T
+
+    preset = dataclasses.replace(T.PRESETS["smoke"], drafter_max_steps=3, drafter_time_budget_s=120.0,
+                                 drafter_batch=4, anchors_per_seq=2, drafter_warmup_steps=1)
+    torch.manual_seed(0)
+    vocab, device = 128, torch.device("cpu")
+    target = T.make_target(preset, vocab, eos_id=0).eval()
+    target.save_pretrained(tmp_path / "target")
+    sequences = torch.randint(4, vocab, (8, 32))
+    prompt_lens = torch.full((8,), 8)
+    drafter = DFlashDrafter.initialized(T.drafter_config(preset, vocab, mask_token_id=1))
+    before = {k: v.clone() for k, v in drafter.checkpoint_tensors().items()}
+    metrics = T.train_drafter(drafter, target, sequences, prompt_lens, preset, device, log=lambda message: None)
+    assert metrics["steps"] == 3 and math.isfinite(metrics["final_loss"])
+    after = drafter.checkpoint_tensors()
+    assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
+    drafter.save_pretrained(tmp_path / "drafter")
+
+    prompt = [5, 6, 7, 8, 9]
+    result = T.evaluate_acceptance(target, DFlashDrafter.from_pretrained(tmp_path / "drafter"), [prompt], 8)
+    assert result["exact_match_prompts"] == 1
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    base = LLM(tmp_path / "target").generate([prompt], params)[0]
+    spec = LLM(tmp_path / "target", draft=tmp_path / "drafter").generate([prompt], params)[0]
+    assert spec.token_ids == base.token_ids and spec.spec.num_drafts > 0
 
 
 def test_fp8_target_and_bf16_draft_share_one_manager(tiny_target, drafter_dir):
@@ -372,7 +476,7 @@ def test_incomplete_draft_pages_are_recomputed(tiny_target, drafter_dir, referen
                                   engine.kv.pools[0].kv_views(LayerOwner.TARGET, i)):
             d_view[torch.tensor(dst[:n])] = s_view[torch.tensor(src[:n])]
     donor.release(held.request_id)
-    engine.activate_transfer(r.request_id, draft_context=False)
+    engine.finish_transfer(r.request_id, True, draft_context=False)
     while engine.has_unfinished():
         engine.step()
     assert r.output_token_ids == reference[tuple(prompt)]
@@ -409,3 +513,14 @@ def test_demo_pair_is_lossless_and_accepts_on_held_out_code():
     steps = sum(len(o.acceptance_lengths) for o in bf16)
     mean_al = sum(sum(o.acceptance_lengths) for o in bf16) / steps
     assert mean_al >= 2.5, mean_al
+
+
+def test_drafts_never_run_past_the_context(tiny_target, drafter_dir):
+    """Near the end of the context a row drafts fewer tokens (at the last position none): the block's positions
+    stay inside the model's rotary table, and the output is still the target's."""
+    prompt = [(5 * j) % 100 + 1 for j in range(512 - 6)]         # the tiny target's context is 512
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    spec = LLM(tiny_target, draft=drafter_dir, num_pages=40).generate([prompt], params)[0]
+    plain = LLM(tiny_target, num_pages=40).generate([prompt], params)[0]
+    assert spec.token_ids == plain.token_ids and spec.finish_reason == "length"
+    assert spec.spec.num_drafts > 0

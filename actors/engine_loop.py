@@ -1,7 +1,8 @@
-"""One background thread per replica that owns the synchronous engine and streams its outputs to asyncio.
+"""One thread per replica that owns the synchronous engine and streams its outputs to asyncio.
 
 Only the loop thread touches the engine: every add, abort, reserve or inspection is a command it runs
-between steps, and every step's outputs go to per-request asyncio queues via ``call_soon_threadsafe``.
+between steps. A step's outputs reach their per-request asyncio queues in one hand-off per event loop
+(one wake-up, however many requests stepped). Idle, the thread blocks on its command queue.
 """
 
 from __future__ import annotations
@@ -20,18 +21,17 @@ log = logging.getLogger(__name__)
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05):
+    def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self.idle_wait_s = idle_wait_s
-        self._commands: queue.Queue = queue.Queue()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
-    # --- called from asyncio --------------------------------------------------------------------
+    # --- called from any thread -----------------------------------------------------------------
     def submit(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
-        """Run ``fn(engine)`` on the loop thread between steps (callable from any thread)."""
+        """Run ``fn(engine)`` on the loop thread between steps."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, future))
         return future
@@ -41,7 +41,8 @@ class EngineLoop:
         return asyncio.wrap_future(self.submit(fn))
 
     def open_stream(self, request_id: str) -> asyncio.Queue:
-        """A queue that receives this request's RequestOutputs (the last one has ``finished``)."""
+        """A queue that receives this request's RequestOutputs (the last one has ``finished``), or an
+        exception if the engine failed it."""
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         return q
@@ -54,6 +55,22 @@ class EngineLoop:
         self.close_stream(request_id)
         return self.submit(lambda engine: engine.abort(request_id))
 
+    def deliver(self, items: list[tuple[str, Any]]) -> None:
+        """Hand ``(request_id, RequestOutput | exception)`` items to their streams, one wake-up per event loop."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        for request_id, item in items:
+            target = self._streams.get(request_id)
+            if target is None:
+                continue
+            if not isinstance(item, RequestOutput) or item.finished:
+                self._streams.pop(request_id, None)
+            batches.setdefault(target[0], []).append((target[1], item))
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:       # the consumer's event loop closed: nobody is listening any more
+                pass
+
     def shutdown(self) -> None:
         self._stop.set()
         self._commands.put(None)
@@ -62,7 +79,7 @@ class EngineLoop:
     # --- the loop thread ------------------------------------------------------------------------
     def _run_commands(self, block: bool) -> None:
         try:
-            item = self._commands.get(timeout=self.idle_wait_s) if block else self._commands.get_nowait()
+            item = self._commands.get() if block else self._commands.get_nowait()
         except queue.Empty:
             return
         while item is not None:
@@ -77,41 +94,25 @@ class EngineLoop:
             except queue.Empty:
                 return
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            target = self._streams.get(out.request_id)
-            if target is None:
-                continue
-            loop, q = target
-            if out.finished:
-                self._streams.pop(out.request_id, None)
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, out)
-            except RuntimeError:       # the consumer's event loop closed: nobody is listening any more
-                pass
-
-    def deliver(self, out: RequestOutput) -> None:
-        """Hand an output produced by a command (e.g. a transfer's activation) to its stream."""
-        self._deliver([out])
-
-    def _fail_all(self, error: BaseException) -> None:
-        for request_id, (loop, q) in list(self._streams.items()):
-            self._streams.pop(request_id, None)
-            self.engine.abort(request_id)
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, error)
-            except RuntimeError:
-                pass
-
     def _run(self) -> None:
         while not self._stop.is_set():
-            busy = self.engine.has_unfinished()
-            self._run_commands(block=not busy)
+            self._run_commands(block=not self.engine.has_unfinished())
             if self._stop.is_set() or not self.engine.has_unfinished():
                 continue
             try:
-                self._deliver(self.engine.step())
+                outputs = self.engine.step()
             except Exception as e:
-                # The engine already finished (and freed) the step's requests; tell every waiting stream.
+                # The engine already finished (and freed) the step's requests; tell their streams.
                 log.exception("engine step failed")
-                self._fail_all(e)
+                failed = [r for r in list(self._streams)
+                          if r not in self.engine.requests or self.engine.requests[r].finished]
+                for request_id in failed:
+                    self.engine.abort(request_id)
+                self.deliver([(r, e) for r in failed])
+                continue
+            self.deliver([(out.request_id, out) for out in outputs])
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in batch:
+        q.put_nowait(item)
