@@ -308,7 +308,7 @@ class DecodeReplica(EngineReplica):
             error = next((r for r in reads if isinstance(r, BaseException)), None)
             if error is None:
                 stats.update(bytes=sum(r["bytes"] for r in reads), seconds=max(r["seconds"] for r in reads),
-                             descriptors=sum(r["descriptors"] for r in reads), tables=tables)
+                             lease_seconds=max(r["lease_seconds"] for r in reads), descriptors=sum(r["descriptors"] for r in reads), tables=tables)
         finally:
             self.num_awaiting_transfer -= 1
         landed, draft = error is None, self.transfer_draft_kv

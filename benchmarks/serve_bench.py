@@ -66,6 +66,33 @@ def _offline(target: str, drafter: str, prompts: list, concurrency: int, output_
 _offline.cache = {}
 
 
+def _transfer_counters(url: str) -> tuple[float, float]:
+    """(sum of NIXL READ seconds, number of READs) from the service's /metrics."""
+    import httpx
+
+    from tests.test_serve_support import metric_samples, metric_sum
+
+    samples = metric_samples(httpx.get(f"{url}/metrics", timeout=30).text)
+    return (metric_sum(samples, "dflash_kv_transfer_latency_seconds_sum"),
+            metric_sum(samples, "dflash_kv_transfer_latency_seconds_count"))
+
+
+def _ratios(summaries: list[dict], offline: list[dict]) -> str:
+    """HTTP output tokens/s against the offline engine, and what disaggregation adds to TTFT against the READ."""
+    rows = ["| conc | agg HTTP / offline | disagg HTTP / offline | disagg - agg TTFT p50 ms | READ ms | ratio |",
+            "|---|---|---|---|---|---|"]
+    for o in offline:
+        c = o["max_concurrency"]
+        agg = next(s for s in summaries if s["label"] == "agg" and s["max_concurrency"] == c)
+        dis = next(s for s in summaries if s["label"] == "disagg" and s["max_concurrency"] == c)
+        delta = (dis["ttft_s"]["p50"] - agg["ttft_s"]["p50"]) * 1e3
+        read = dis.get("mean_read_s")
+        rows.append(f"| {c} | {agg['output_throughput'] / o['output_throughput']:.2f} | "
+                    f"{dis['output_throughput'] / o['output_throughput']:.2f} | {delta:.2f} | "
+                    + (f"{read * 1e3:.3f} | {delta / (read * 1e3):.1f} |" if read else "- | - |"))
+    return "\n".join(rows)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -101,7 +128,12 @@ def main() -> int:
             wait_healthy(f"http://127.0.0.1:{port}/{name}")
         for concurrency in args.concurrency:
             for name in ("agg", "disagg"):
-                summary = bench(_bench_args(f"http://127.0.0.1:{port}/{name}", name, concurrency, args))
+                url = f"http://127.0.0.1:{port}/{name}"
+                before = _transfer_counters(url)
+                summary = bench(_bench_args(url, name, concurrency, args))
+                after = _transfer_counters(url)
+                count = after[1] - before[1]
+                summary["mean_read_s"] = (after[0] - before[0]) / count if count else None
                 summaries.append(summary)
                 print(format_table([summary]).splitlines()[-2], flush=True)
     finally:
@@ -115,6 +147,7 @@ def main() -> int:
         offline.append(_offline(target, drafter, prompts, concurrency, args.output_len))
     print(f"pair: {pair}")
     print(format_table(summaries))
+    print(_ratios(summaries, offline))
     print("| offline | conc | req/s | out tok/s | E2E p50 (batch) ms | AL |\n|---|---|---|---|---|---|")
     for o in offline:
         al = o["mean_acceptance_length"]

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
+from fastapi.sse import EventSourceResponse, format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 
@@ -252,8 +253,7 @@ class Ingress:
                     raise _from_chunk(chunk)
             if body.stream:
                 handed_off = True
-                return StreamingResponse(self._sse(body, request_id, choices, firsts, chat),
-                                         media_type="text/event-stream")
+                return EventSourceResponse(self._sse(body, request_id, choices, firsts, chat))
             await asyncio.gather(*(self._drain(c) for c in choices))
             return self._full_response(body, request_id, choices, chat)
         finally:
@@ -311,7 +311,7 @@ class Ingress:
                "created": int(time.time()), "model": self.model_name, "choices": choices}
         if usage is not False:
             obj["usage"] = usage
-        return f"data: {json.dumps(obj)}\n\n"
+        return format_sse_event(data_str=json.dumps(obj))
 
     def _choice_event(self, c: Choice, chat: bool, text: str, first: bool, token_ids: bool = False) -> dict:
         finish = c.finish_reason if c.done else None
@@ -350,14 +350,14 @@ class Ingress:
                     remaining -= 1
                     continue
                 if chunk is not None and chunk["type"] == "error":
-                    yield f"data: {json.dumps(_from_chunk(chunk).body())}\n\n"
+                    yield format_sse_event(data_str=json.dumps(_from_chunk(chunk).body()))
                     continue
                 text = c.delta()
                 if text or c.done:
                     yield self._event(request_id, chat, [self._choice_event(c, chat, text, False, body.return_token_ids)], usage)
             if body.include_usage:
                 yield self._event(request_id, chat, [], self._usage(body, choices))
-            yield "data: [DONE]\n\n"
+            yield format_sse_event(data_str="[DONE]")
         finally:
             # Reached on completion and on client disconnect (the response task is cancelled).
             for t in tasks:
