@@ -64,7 +64,23 @@ class Ticket:
     kv_managers: list[Any]         # per prefill rank: its KVManagerActor handle
     peer_agents: list[str]         # per prefill rank: its NIXL agent
     rank_infos: list[str]          # per prefill rank: its RankInfo JSON
+    first_text: str | None = None  # the first token's text as the decode side will emit it (None: not sent early)
+    num_cached_tokens: int = 0     # prompt tokens the prefill took from its prefix cache
     prefill_s: float = 0.0
+
+    def first_chunk(self) -> dict:
+        """The first token as a chunk, sent while the KV moves (only when ``first_text`` is not None)."""
+        return {"type": "tokens", "token_ids": [self.first_token], "text": self.first_text, "finished": False,
+                "finish_reason": None, "num_cached_tokens": self.num_cached_tokens}
+
+    def after_first(self, chunk: dict) -> dict:
+        """The decode side's first chunk without the first token already sent by ``first_chunk``."""
+        if chunk["token_ids"][:1] != [self.first_token] or not chunk["text"].startswith(self.first_text):
+            raise RuntimeError(f"request {self.request_id}: the decode side's first output "
+                               f"({chunk['token_ids'][:1]}, {chunk['text'][:16]!r}) differs from the prefill's "
+                               f"({self.first_token}, {self.first_text!r})")
+        return {**chunk, "token_ids": chunk["token_ids"][1:], "text": chunk["text"][len(self.first_text):],
+                "num_cached_tokens": self.num_cached_tokens}
 
     def cancel(self) -> None:
         """Give the held pages back now (the request will not be decoded)."""
@@ -212,15 +228,18 @@ class PrefillReplica(EngineReplica):
                 chunk["token_ids"], chunk["text"] = list(out.token_ids), out.text
                 return {"chunk": chunk}
             num_pages = -(-len(prompt_token_ids) // self.engine.kv.page_size)
-            tables = await self.loop.call(
-                lambda e: [e.kv.block_table(request_id, s)[:num_pages] for s in range(len(e.kv.pools))])
+            first = out.token_ids[0]
+            tables, first_text = await self.loop.call(lambda e: (
+                [e.kv.block_table(request_id, s)[:num_pages] for s in range(len(e.kv.pools))],
+                e.first_text_delta(prompt_token_ids, params, first)))
             leases = await asyncio.gather(*(kvm.hold.remote(request_id, self.hold_timeout_s)
                                             for kvm in self.group.kv_managers))
             settled = True
-            return {"ticket": Ticket(request_id, list(prompt_token_ids), params, out.token_ids[0], tables,
-                                     list(leases), list(self.group.kv_managers),
+            return {"ticket": Ticket(request_id, list(prompt_token_ids), params, first, tables, list(leases),
+                                     list(self.group.kv_managers),
                                      [self.group.agent_name(i) for i in range(len(leases))],
-                                     list(self.group.rank_infos), time.perf_counter() - start)}
+                                     list(self.group.rank_infos), first_text, out.num_cached_tokens,
+                                     time.perf_counter() - start)}
         finally:
             self.loop.close_stream(request_id)
             if not settled:
@@ -274,24 +293,31 @@ class DecodeReplica(EngineReplica):
         """Move the ticket's KV here and stream the rest of its tokens (the first chunk carries ``transfer``)."""
         request_id = ticket.request_id
         queue = self.loop.open_stream(request_id)
+        started = False
         try:
-            await self._connect(ticket)
-            tables = await self._reserve(ticket)
-        except Exception as e:
-            self.loop.close_stream(request_id)
-            ticket.cancel()
-            status, kind = (400, "invalid_request_error") if type(e) is ValueError else (500, "server_error")
-            yield error_chunk(status, f"decode replica refused the request: {e}", kind)
-            return
-        if tables is None:
-            self.loop.close_stream(request_id)
-            ticket.cancel()
-            yield error_chunk(503, "no decode KV pages free", "overloaded")
-            return
-        stats: dict = {}
-        # The transfer runs to its end even if this stream is cancelled: only then may the pages be freed.
-        self._transfers.call_soon_threadsafe(self._transfers.create_task, self._transfer(ticket, tables, stats),
-                                             context=contextvars.Context())
+            try:
+                await self._connect(ticket)
+                tables = await self._reserve(ticket)
+            except Exception as e:
+                status, kind = (400, "invalid_request_error") if type(e) is ValueError else (500, "server_error")
+                yield error_chunk(status, f"decode replica refused the request: {e}", kind)
+                return
+            if tables is None:
+                yield error_chunk(503, "no decode KV pages free", "overloaded")
+                return
+            stats: dict = {}
+            # The transfer runs to its end even if this stream is cancelled: only then may the pages be freed.
+            self._transfers.call_soon_threadsafe(self._transfers.create_task, self._transfer(ticket, tables, stats),
+                                                 context=contextvars.Context())
+            started = True
+        finally:
+            if not started:
+                # Refused, or cancelled before the READ began (a reserve may still be queued on the engine
+                # thread: this command runs after it). No READ touches these pages: free them here.
+                self.loop.close_stream(request_id)
+                ticket.cancel()
+                self.loop.submit(lambda e: e.finish_transfer(request_id, False) if request_id in e.requests
+                                 else None)
         async for chunk in self._stream(request_id, queue, transfer=stats):
             yield chunk
 

@@ -77,18 +77,25 @@ def _transfer_counters(url: str) -> tuple[float, float]:
             metric_sum(samples, "dflash_kv_transfer_latency_seconds_count"))
 
 
+def _median(values):
+    values = sorted(v for v in values if v is not None)
+    return values[len(values) // 2] if values else None
+
+
 def _ratios(summaries: list[dict], offline: list[dict]) -> str:
-    """HTTP output tokens/s against the offline engine, and what disaggregation adds to TTFT against the READ."""
+    """Medians over the repeats: HTTP output tokens/s against the offline engine, and what disaggregation
+    adds to TTFT (p50) against the NIXL READ time."""
     rows = ["| conc | agg HTTP / offline | disagg HTTP / offline | disagg - agg TTFT p50 ms | READ ms | ratio |",
             "|---|---|---|---|---|---|"]
-    for o in offline:
-        c = o["max_concurrency"]
-        agg = next(s for s in summaries if s["label"] == "agg" and s["max_concurrency"] == c)
-        dis = next(s for s in summaries if s["label"] == "disagg" and s["max_concurrency"] == c)
-        delta = (dis["ttft_s"]["p50"] - agg["ttft_s"]["p50"]) * 1e3
-        read = dis.get("mean_read_s")
-        rows.append(f"| {c} | {agg['output_throughput'] / o['output_throughput']:.2f} | "
-                    f"{dis['output_throughput'] / o['output_throughput']:.2f} | {delta:.2f} | "
+    for c in sorted({o["max_concurrency"] for o in offline}):
+        off = _median([o["output_throughput"] for o in offline if o["max_concurrency"] == c])
+        runs = {name: [s for s in summaries if s["label"] == name and s["max_concurrency"] == c]
+                for name in ("agg", "disagg")}
+        tput = {name: _median([s["output_throughput"] for s in rs]) for name, rs in runs.items()}
+        ttft = {name: _median([s["ttft_s"]["p50"] for s in rs]) for name, rs in runs.items()}
+        delta = (ttft["disagg"] - ttft["agg"]) * 1e3
+        read = _median([s.get("mean_read_s") for s in runs["disagg"]])
+        rows.append(f"| {c} | {tput['agg'] / off:.2f} | {tput['disagg'] / off:.2f} | {delta:.2f} | "
                     + (f"{read * 1e3:.3f} | {delta / (read * 1e3):.1f} |" if read else "- | - |"))
     return "\n".join(rows)
 
@@ -99,6 +106,7 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--min-requests", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3, help="runs of every configuration, interleaved; medians reported")
     p.add_argument("--tiny", action="store_true", help="the tiny random pair even if the demo pair exists")
     p.add_argument("--out", default="out/serve_bench")
     args = p.parse_args()
@@ -126,7 +134,7 @@ def main() -> int:
                                     model={"num_pages": 256, "max_model_len": 1024})
             serve.run(build_app(app_args), name=name, route_prefix=f"/{name}")
             wait_healthy(f"http://127.0.0.1:{port}/{name}")
-        for concurrency in args.concurrency:
+        for repeat, concurrency in [(r, c) for r in range(args.repeats) for c in args.concurrency]:
             for name in ("agg", "disagg"):
                 url = f"http://127.0.0.1:{port}/{name}"
                 before = _transfer_counters(url)
@@ -142,7 +150,7 @@ def main() -> int:
     from serve_app.bench import _prompts
 
     offline = []
-    for concurrency in args.concurrency:
+    for _, concurrency in [(r, c) for r in range(args.repeats) for c in args.concurrency]:
         prompts = _prompts(_bench_args("", "offline", concurrency, args))
         offline.append(_offline(target, drafter, prompts, concurrency, args.output_len))
     print(f"pair: {pair}")

@@ -339,11 +339,7 @@ class LLMEngine:
             if detok is not None and _extend_text(r, detok.step(r.output_token_ids)):
                 reason = "stop"                                  # a stop string: the text is cut at it
             else:
-                reason = None
-                if token in self.eos_token_ids and not r.params.ignore_eos:
-                    reason = "stop"
-                elif len(r.output_token_ids) >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
-                    reason = "length"
+                reason = self._limit_reason(r, token)
                 if reason and detok is not None and _extend_text(r, detok.finish(r.output_token_ids)):
                     reason = "stop"                              # a stop string in the held-back text
             if reason:
@@ -353,6 +349,31 @@ class LLMEngine:
         r.num_computed_tokens = min(r.num_computed_tokens, r.num_tokens - 1)
         r.num_draft_context = min(r.num_draft_context, r.num_computed_tokens)
         return appended
+
+    def _limit_reason(self, r: Request, token: int) -> str | None:
+        """Why ``token``, just appended, ends the request (EOS, max_tokens, the context), if it does."""
+        if token in self.eos_token_ids and not r.params.ignore_eos:
+            return "stop"
+        if len(r.output_token_ids) >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def first_text_delta(self, prompt_token_ids: Sequence[int], params: SamplingParams, first_token: int
+                         ) -> str | None:
+        """The ``text_delta`` of the first output of a request whose first token is ``first_token`` (what a
+        decode peer's ``finish_transfer`` emits for it), or None when that token ends the request.
+
+        A prefill replica streams it while the KV is still moving; nothing here is stored or scheduled.
+        """
+        r = Request("", list(prompt_token_ids), params)
+        r.output_token_ids.append(first_token)
+        if self.tokenizer is not None:
+            r.detokenizer = self.tokenizer.detokenizer()
+            if _extend_text(r, r.detokenizer.step(r.output_token_ids)):
+                return None
+        if self._limit_reason(r, first_token) is not None:
+            return None
+        return self._output(r, [first_token]).text_delta
 
     def _output(self, r: Request, appended: list[int]) -> RequestOutput:
         """The request's output now: its full text so far, and as text_delta the part that became final."""

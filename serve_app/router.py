@@ -33,20 +33,31 @@ class Router:
             yield result["chunk"]
             return
         ticket = result["ticket"]
+        # The first token goes out now, while its KV moves (unless it could still be cut by a stop string or
+        # end the request, which only the decode side's output settles).
+        early = ticket.first_text is not None
+        completed = False
         try:
+            if early:
+                yield ticket.first_chunk()
             gen = self.backends["decode"].options(stream=True).decode.remote(ticket)
-        except BaseException:
-            ticket.cancel()        # nobody will READ the held pages: free them now, not at the hold timeout
-            raise
-        first = True
-        async for chunk in _cancel_on_exit(gen):
-            if first and self.on_transfer is not None:
-                if chunk["type"] == "tokens":
-                    self.on_transfer(chunk.get("transfer"))
-                elif chunk.get("error_type") == "transfer_error":
-                    self.on_transfer(None)
-            first = False
-            yield chunk
+            first = True
+            async for chunk in _cancel_on_exit(gen):
+                if first and self.on_transfer is not None:
+                    if chunk["type"] == "tokens":
+                        self.on_transfer(chunk.get("transfer"))
+                    elif chunk.get("error_type") == "transfer_error":
+                        self.on_transfer(None)
+                if first and early and chunk["type"] == "tokens":
+                    chunk = ticket.after_first(chunk)
+                first = False
+                yield chunk
+            completed = True
+        finally:
+            if not completed:
+                # Closed early (a disconnect), maybe before the decode replica ever ran: give the held pages
+                # back now rather than at the hold timeout. After a READ has begun this only marks the lease.
+                ticket.cancel()
 
 
 async def _cancel_on_exit(gen) -> AsyncIterator[dict]:

@@ -122,6 +122,25 @@ def test_greedy_chat_equals_the_offline_engine_on_the_chat_template(client, offl
     assert all(c.usage is None for c in chunks[:-1])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_cut_the_text_as_offline_and_the_early_first_token_agrees(client, offline, stream):
+    """The first token is streamed from the prefill side while the KV moves; with a stop string that could
+    begin in it, what it sends is only text the decode side's output confirms."""
+    prompt = "The quick brown fox"
+    full = offline.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True))[0].text
+    for stop in (full[:2], full[3:5], full[-3:]):
+        expected = offline.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True, stop=(stop,)))[0]
+        assert expected.finish_reason == "stop" and stop not in expected.text
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0, stop=[stop],
+                                      stream=stream, extra_body={"ignore_eos": True})
+        if stream:
+            chunks = list(r)
+            text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            text, reason = r.choices[0].text, r.choices[0].finish_reason
+        assert (text, reason) == (expected.text, "stop")
+
+
 def test_sse_stream_ends_with_done_and_token_id_prompts_work(server):
     body = {"model": "tiny", "prompt": [5, 6, 7, 8, 9], "max_tokens": 5, "temperature": 0, "stream": True,
             "ignore_eos": True}
