@@ -103,7 +103,8 @@ class Choice:
             self.last_token_time = now
         self.token_ids += chunk["token_ids"]
         self.text += chunk["text"]
-        self.num_cached_tokens = chunk.get("num_cached_tokens", 0)
+        # The prefill side's count (the decode side's request reuses nothing: its KV arrived by READ).
+        self.num_cached_tokens = max(self.num_cached_tokens, chunk.get("num_cached_tokens", 0))
         if chunk["finished"]:
             self.done = True
             self.finish_reason = chunk["finish_reason"]

@@ -200,6 +200,19 @@ def test_prompts_of_any_length_are_prefilled_whole(client, offline, server, leng
     assert_healthy_and_free(server)
 
 
+def test_a_repeated_long_prompt_is_prefilled_from_its_cached_pages(client, offline, server):
+    prompt = long_prompt(3 * CHUNK + 9, seed=77)
+    expected = offline.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 3 * CHUNK     # every full page of the prompt
+    assert [r.choices[0].model_extra["token_ids"] for r in (first, again)] == [expected, expected]
+    assert_healthy_and_free(server)
+
+
 def test_concurrent_long_prompts_each_equal_their_offline_output(client, offline, server):
     from concurrent.futures import ThreadPoolExecutor
 
