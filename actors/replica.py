@@ -83,9 +83,17 @@ class Ticket:
                 "num_cached_tokens": self.num_cached_tokens}
 
     def cancel(self) -> None:
-        """Give the held pages back now (the request will not be decoded)."""
+        """Give the held pages back now (the request will not be decoded). Safe to call from a request that
+        is being cancelled."""
         for kvm, lease in zip(self.kv_managers, self.leases):
-            kvm.cancel.remote(lease)
+            detached(kvm.cancel.remote, lease)
+
+
+def detached(fn, *args):
+    """``fn(*args)`` outside the calling Ray task. An async actor finds the task that submits a call through a
+    context variable, and cancelling a task cancels what it submitted: a clean-up call made while its request
+    is being cancelled (a client went away) would be cancelled with it."""
+    return contextvars.Context().run(fn, *args)
 
 
 class EngineReplica:
@@ -256,9 +264,7 @@ class DecodeReplica(EngineReplica):
         super().__init__(config, **kwargs)
         self._peers: set[str] = set()
         self.num_awaiting_transfer = 0
-        # Transfers run on an event loop of their own thread, in a fresh context: Ray cancels the children of
-        # a cancelled call (found through the caller's context), and a READ started from the decode stream's
-        # call would be cancelled with it.
+        # Transfers run on an event loop of their own thread.
         self._transfers = asyncio.new_event_loop()
         threading.Thread(target=self._transfers.run_forever, name="transfers", daemon=True).start()
 
@@ -306,7 +312,8 @@ class DecodeReplica(EngineReplica):
                 yield error_chunk(503, "no decode KV pages free", "overloaded")
                 return
             stats: dict = {}
-            # The transfer runs to its end even if this stream is cancelled: only then may the pages be freed.
+            # The transfer runs to its end even if this stream is cancelled (only then may the pages be freed):
+            # on the transfers loop, outside this call's Ray task (see ``detached``).
             self._transfers.call_soon_threadsafe(self._transfers.create_task, self._transfer(ticket, tables, stats),
                                                  context=contextvars.Context())
             started = True

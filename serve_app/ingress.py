@@ -23,8 +23,10 @@ from ray import serve
 from engine.sequence import SamplingParams
 from serve_app.config import ServiceConfig
 from serve_app.metrics import ServiceMetrics, get_hub
-from serve_app.protocol import (APIError, ChatCompletionRequest, CompletionRequest, render_chat,
-                                sampling_params)
+from serve_app.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                ChatCompletionRequest, ChatCompletionResponse, ChatDelta, CompletionChoice,
+                                CompletionChunk, CompletionRequest, CompletionResponse, PromptTokensDetails,
+                                SpecDecodeUsage, Usage, render_chat, sampling_params)
 from serve_app.router import Router
 
 api = FastAPI(title="dflash-serve")
@@ -276,59 +278,55 @@ class Ingress:
                                           e2e=time.perf_counter() - c.start, spec=c.spec,
                                           token_gaps=c.token_gaps)
 
-    def _usage(self, body, choices: list[Choice]) -> dict:
+    def _usage(self, body, choices: list[Choice]) -> Usage:
         prompt_tokens = sum(len(c.prompt_ids) for c in choices[::body.n])
         completion = sum(len(c.token_ids) for c in choices)
         specs = [c.spec for c in choices if c.spec]
         drafts = sum(s["num_drafts"] for s in specs)
         accepted = sum(s["num_accepted_tokens"] for s in specs)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                "total_tokens": prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in choices[::body.n])},
-                "spec_decode": {"num_drafts": drafts, "draft_tokens": sum(s["num_draft_tokens"] for s in specs),
-                                "accepted_tokens": accepted,
-                                "mean_acceptance_length": (1.0 + accepted / drafts) if drafts else None,
-                                # per choice, per verification step: accepted drafts + 1
-                                "acceptance_lengths": [(c.spec or {}).get("acceptance_lengths", [])
-                                                       for c in choices]}}
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                     total_tokens=prompt_tokens + completion,
+                     prompt_tokens_details=PromptTokensDetails(
+                         cached_tokens=sum(c.num_cached_tokens for c in choices[::body.n])),
+                     spec_decode=SpecDecodeUsage(
+                         num_drafts=drafts, draft_tokens=sum(s["num_draft_tokens"] for s in specs),
+                         accepted_tokens=accepted, mean_acceptance_length=(1.0 + accepted / drafts) if drafts else None,
+                         acceptance_lengths=[(c.spec or {}).get("acceptance_lengths", []) for c in choices]))
 
     def _full_response(self, body, request_id: str, choices: list[Choice], chat: bool) -> dict:
-        out = []
-        for c in choices:
-            text = c.text
-            if chat:
-                out.append({"index": c.index, "message": {"role": "assistant", "content": text},
-                            "logprobs": None, "finish_reason": c.finish_reason})
-            else:
-                out.append({"index": c.index, "text": text, "logprobs": None, "finish_reason": c.finish_reason})
-            if body.return_token_ids:
-                out[-1]["token_ids"] = list(c.token_ids)
-        return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": self.model_name, "choices": out,
-                "usage": self._usage(body, choices)}
-
-    def _event(self, request_id: str, chat: bool, choices: list[dict], usage=False) -> str:
-        obj = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-               "created": int(time.time()), "model": self.model_name, "choices": choices}
-        if usage is not False:
-            obj["usage"] = usage
-        return format_sse_event(data_str=json.dumps(obj))
-
-    def _choice_event(self, c: Choice, chat: bool, text: str, first: bool, token_ids: bool = False) -> dict:
-        finish = c.finish_reason if c.done else None
+        ids = (lambda c: list(c.token_ids)) if body.return_token_ids else (lambda c: None)
+        common = {"id": request_id, "created": int(time.time()), "model": self.model_name,
+                  "usage": self._usage(body, choices)}
         if chat:
-            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            event = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            response = ChatCompletionResponse(**common, choices=[
+                ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+                           token_ids=ids(c)) for c in choices])
         else:
-            event = {"index": c.index, "text": text, "logprobs": None, "finish_reason": finish}
+            response = CompletionResponse(**common, choices=[
+                CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason, token_ids=ids(c))
+                for c in choices])
+        return response.model_dump(mode="json")
+
+    def _event(self, body, request_id: str, chat: bool, choices: list, usage: Usage | None = None) -> bytes:
+        cls = ChatCompletionChunk if chat else CompletionChunk
+        chunk = cls(id=request_id, created=int(time.time()), model=self.model_name, choices=choices, usage=usage)
+        # With include_usage every chunk carries "usage" (null until the last); without it, none does.
+        exclude = None if body.include_usage else {"usage"}
+        return format_sse_event(data_str=chunk.model_dump_json(exclude=exclude))
+
+    def _choice_event(self, c: Choice, chat: bool, text: str, first: bool, token_ids: bool = False):
+        finish = c.finish_reason if c.done else None
+        ids = None
         if token_ids:
-            event["token_ids"] = c.token_ids[c.ids_sent:]
+            ids = c.token_ids[c.ids_sent:]
             c.ids_sent = len(c.token_ids)
-        return event
+        if chat:
+            delta = ChatDelta(role="assistant", content=text) if first else ChatDelta(content=text or None)
+            return ChatChunkChoice(index=c.index, delta=delta, finish_reason=finish, token_ids=ids)
+        return CompletionChoice(index=c.index, text=text, finish_reason=finish, token_ids=ids)
 
     async def _sse(self, body, request_id: str, choices: list[Choice], firsts: list[dict | None], chat: bool):
         """SSE events from every choice as its chunks arrive; a disconnect cancels and aborts them all."""
-        usage = None if body.include_usage else False
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(c: Choice):
@@ -342,7 +340,8 @@ class Ingress:
         tasks = []
         try:
             for c, chunk in zip(choices, firsts):
-                yield self._event(request_id, chat, [self._choice_event(c, chat, c.delta(), True, body.return_token_ids)], usage)
+                yield self._event(body, request_id, chat,
+                                  [self._choice_event(c, chat, c.delta(), True, body.return_token_ids)])
             tasks = [asyncio.create_task(pump(c)) for c in choices if not c.done]
             remaining = len(tasks)
             while remaining:
@@ -355,9 +354,10 @@ class Ingress:
                     continue
                 text = c.delta()
                 if text or c.done:
-                    yield self._event(request_id, chat, [self._choice_event(c, chat, text, False, body.return_token_ids)], usage)
+                    yield self._event(body, request_id, chat,
+                                      [self._choice_event(c, chat, text, False, body.return_token_ids)])
             if body.include_usage:
-                yield self._event(request_id, chat, [], self._usage(body, choices))
+                yield self._event(body, request_id, chat, [], self._usage(body, choices))
             yield format_sse_event(data_str="[DONE]")
         finally:
             # Reached on completion and on client disconnect (the response task is cancelled).

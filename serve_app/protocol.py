@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from engine.sequence import SamplingParams
 
@@ -70,6 +70,118 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+
+
+# --- responses ---------------------------------------------------------------------------------------
+class _Out(BaseModel):
+    """A response object; the fields in ``_omit_if_none`` are left out when None (OpenAI leaves them out;
+    ``token_ids`` appears only when asked for)."""
+
+    _omit_if_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit(self, handler):
+        data = handler(self)
+        for name in self._omit_if_none:
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
+
+
+class SpecDecodeUsage(_Out):
+    num_drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    mean_acceptance_length: float | None
+    acceptance_lengths: list[list[int]]     # per choice, per verification step: accepted drafts + 1
+
+
+class PromptTokensDetails(_Out):
+    cached_tokens: int
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+    spec_decode: SpecDecodeUsage
+
+
+class CompletionChoice(_Out):
+    _omit_if_none = ("token_ids",)
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+    token_ids: list[int] | None = None
+
+
+class AssistantMessage(_Out):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Out):
+    _omit_if_none = ("token_ids",)
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+    token_ids: list[int] | None = None
+
+
+class ChatDelta(_Out):
+    _omit_if_none = ("role", "content")
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Out):
+    _omit_if_none = ("token_ids",)
+    index: int
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None
+    token_ids: list[int] | None = None
+
+
+class CompletionResponse(_Out):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatCompletionResponse(_Out):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChunk(_Out):
+    """One SSE event of a completion stream; ``usage`` is present (null but on the last) only when asked for."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatCompletionChunk(_Out):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
 
 
 MAX_N = 16
