@@ -176,6 +176,9 @@ class AggregatedReplica(EngineReplica):
             self.loop.close_stream(request_id)
             yield error_chunk(400, str(e), "invalid_request_error")
             return
+        except BaseException:       # cancelled while being added: it may have been added all the same
+            self.loop.abort(request_id)
+            raise
         async for chunk in self._stream(request_id, queue):
             yield chunk
 

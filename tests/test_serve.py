@@ -9,7 +9,6 @@ import pytest
 pytestmark = pytest.mark.ray
 
 import openai  # noqa: E402
-import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from engine.sequence import SamplingParams  # noqa: E402

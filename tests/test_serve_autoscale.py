@@ -8,7 +8,6 @@ import pytest
 
 pytestmark = pytest.mark.ray
 
-import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from serve_app.app import build_app  # noqa: E402
