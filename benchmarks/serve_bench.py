@@ -32,10 +32,10 @@ def _bench_args(url: str, label: str, concurrency: int, args) -> argparse.Namesp
 
     p = argparse.ArgumentParser()
     add_bench_args(p)
+    prompts = ["--prompt-file", args.prompt_file] if args.prompt_file else ["--input-len", str(args.input_len)]
     return p.parse_args(["--url", url, "--label", label, "--max-concurrency", str(concurrency),
-                         "--num-requests", str(max(args.min_requests, 2 * concurrency)),
-                         "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                         "--seed", "0", "--no-progress"])
+                         "--num-requests", str(max(args.min_requests, 2 * concurrency)), *prompts,
+                         "--output-len", str(args.output_len), "--seed", "0", "--no-progress"])
 
 
 def _offline(target: str, drafter: str, prompts: list, concurrency: int, output_len: int) -> dict:
@@ -103,7 +103,9 @@ def _ratios(summaries: list[dict], offline: list[dict]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=32, help="random token-id prompts of this length (no --prompt-file)")
+    p.add_argument("--prompt-file", default=None,
+                   help="text prompts (JSON lines with 'prompt'), e.g. benchmarks/prompts/heldout.jsonl")
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--min-requests", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3, help="runs of every configuration, interleaved; medians reported")
