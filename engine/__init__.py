@@ -2,7 +2,7 @@
 
 from engine.llm import LLM, EngineConfig, SpeculatorFactory, UnboundSpeculator, build_engine
 from engine.llm_engine import LLMEngine, Proposal, RequestOutput, Speculator
-from engine.sequence import SamplingParams
+from engine.sequence import SamplingParams, TokenLogprob
 
 __all__ = ["LLM", "EngineConfig", "LLMEngine", "Proposal", "RequestOutput", "SamplingParams", "Speculator",
-           "SpeculatorFactory", "UnboundSpeculator", "build_engine"]
+           "SpeculatorFactory", "TokenLogprob", "UnboundSpeculator", "build_engine"]

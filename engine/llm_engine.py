@@ -13,9 +13,9 @@ import torch
 
 from engine.model import Qwen3Model
 from engine.model_runner import ModelRunner, Row
-from engine.sampler import sample
+from engine.sampler import LogitsBlock, LogitsState, adjust_logits, sample, token_logprobs
 from engine.scheduler import ScheduledRequest, Scheduler
-from engine.sequence import Request, RequestStatus, SamplingParams, SpecStats
+from engine.sequence import Request, RequestStatus, SamplingParams, SpecStats, TokenLogprob
 from engine.tokenizer import Tokenizer
 from kv.layout import KVLayout
 from kv.manager import KVCacheManager
@@ -61,6 +61,9 @@ class RequestOutput:
     # last max(len(stop)) - 1 characters (a stop string may still begin there) and incomplete UTF-8; the
     # finishing output gives the rest up to the stop. A request's text_deltas concatenate to its text.
     text_delta: str = ""
+    # With SamplingParams.logprobs: one entry per token of token_ids, and of new_token_ids (else None).
+    logprobs: list[TokenLogprob] | None = None
+    new_logprobs: list[TokenLogprob] | None = None
 
     @property
     def acceptance_lengths(self) -> list[int]:
@@ -111,6 +114,10 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        for name, tokens in (("stop_token_ids", params.stop_token_ids),
+                             ("logit_bias", [t for t, _ in params.logit_bias])):
+            if any(t >= vocab for t in tokens):
+                raise ValueError(f"{name} must hold token ids in [0, {vocab}), got {max(tokens)}")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
                              "(prompt plus at least one generated token)")
@@ -129,25 +136,39 @@ class LLMEngine:
         read); ``release`` frees them.
         """
         request_id, ids = self._validate(request_id, prompt_token_ids, params)
-        request = Request(request_id, ids, params, hold_pages=hold_pages)
+        request = self._new_request(request_id, ids, params, hold_pages=hold_pages)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
 
+    def _new_request(self, request_id: str, ids: list[int], params: SamplingParams, **fields) -> Request:
+        request = Request(request_id, ids, params, **fields)
+        request.logits_state = LogitsState.for_request(params, ids, self.model.config.vocab_size,
+                                                       self.eos_token_ids, self.model.device)
+        return request
+
     def reserve_transfer(self, prompt_token_ids: Sequence[int], first_token: int, params: SamplingParams,
-                         request_id: str | None = None) -> Request | None:
+                         request_id: str | None = None, first_logprob: TokenLogprob | None = None
+                         ) -> Request | None:
         """Decode side of a disaggregated request: allocate pages for a prompt whose KV a peer computed.
 
         Returns None (changing nothing) when the pool lacks pages now. The request waits in TRANSFERRING,
         never scheduled and its pages never freed, until ``finish_transfer`` says its READ has ended.
+        ``first_logprob``: the first token's entry from the prefill's output, required when ``params.logprobs``
+        is set (the outputs then list every token's, as an aggregated engine's do).
         """
         request_id, ids = self._validate(request_id, prompt_token_ids, params)
         if not 0 <= first_token < self.model.config.vocab_size:
             raise ValueError(f"first token {first_token} is outside the vocabulary")
+        if params.logprobs is not None and (first_logprob is None or first_logprob.token_id != first_token):
+            raise ValueError(f"logprobs={params.logprobs} needs first_logprob, the first token's entry from the "
+                             f"prefill output (token {first_token}), got {first_logprob!r}")
         if not self.kv.allocate_slots(request_id, len(ids) + 1):
             return None
-        request = Request(request_id, ids, params, status=RequestStatus.TRANSFERRING)
+        request = self._new_request(request_id, ids, params, status=RequestStatus.TRANSFERRING)
         request.output_token_ids.append(first_token)
+        if params.logprobs is not None:
+            request.output_logprobs.append(first_logprob)
         self.requests[request_id] = request
         return request
 
@@ -178,7 +199,8 @@ class LLMEngine:
         r.first_token_time = time.monotonic()
         self.scheduler.running.append(r)
         first = r.output_token_ids.pop()
-        out = self._output(r, self._append(r, [first]))
+        first_logprobs = [r.output_logprobs.pop()] if r.output_logprobs else None
+        out = self._output(r, self._append(r, [first], first_logprobs))
         if r.finished:
             self.requests.pop(request_id, None)
         else:
@@ -217,6 +239,7 @@ class LLMEngine:
     def _finish(self, request: Request, reason: str) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        request.logits_state = None         # its [V] tensors are not needed any more
         self.scheduler.remove(request, free_pages=not request.hold_pages)
 
     # --- the step -------------------------------------------------------------------------------
@@ -255,36 +278,45 @@ class LLMEngine:
                 slices.append(None)
             token_ids.extend(tokens)
             row_proposals.append(proposal)
-        logits, captured = self.runner.run(rows, token_ids, logit_rows, spec.capture_layers if spec else ())
+        raw_logits, captured = self.runner.run(rows, token_ids, logit_rows, spec.capture_layers if spec else ())
         clock("target")
+        # Penalties, bias and the min_tokens mask shape the distribution that sampling and verification use;
+        # verify row k counts the k drafts before it, so speculation keeps the penalised target's output.
+        blocks = [LogitsBlock(item.request.logits_state, slices[i].start, slices[i].stop - slices[i].start,
+                              len(item.request.output_token_ids), row_proposals[i].tokens if row_proposals[i] else ())
+                  for i, item in enumerate(scheduled) if slices[i] is not None and item.request.logits_state]
+        logits = adjust_logits(raw_logits, blocks) if blocks else raw_logits
 
         plain = [i for i, item in enumerate(scheduled) if slices[i] is not None and row_proposals[i] is None]
         plain_tokens = dict(zip(plain, sample(
             logits[[slices[i].start for i in plain]], [scheduled[i].request.params for i in plain],
             [scheduled[i].request.generator for i in plain]))) if plain else {}
+        new_tokens: list[list[int]] = []
+        for i, item in enumerate(scheduled):
+            r, proposal = item.request, row_proposals[i]
+            if proposal is not None:
+                new_tokens.append(spec.verify(r, proposal, logits[slices[i]]))
+                accepted = len(new_tokens[i]) - 1
+                r.spec.record(len(proposal.tokens), accepted)
+                self.spec_stats.record(len(proposal.tokens), accepted)
+            else:
+                new_tokens.append([plain_tokens[i]] if slices[i] is not None else [])
+        logprobs = self._logprobs(raw_logits, scheduled, slices, new_tokens)
 
         outputs, context_items, flat = [], [], 0
         for i, item in enumerate(scheduled):
-            r, proposal = item.request, row_proposals[i]
+            r = item.request
             start = r.num_computed_tokens
-            new_tokens: list[int] = []
-            if proposal is not None:
-                new_tokens = spec.verify(r, proposal, logits[slices[i]])
-                accepted = len(new_tokens) - 1
-                r.spec.record(len(proposal.tokens), accepted)
-                self.spec_stats.record(len(proposal.tokens), accepted)
-            elif slices[i] is not None:
-                new_tokens = [plain_tokens[i]]
             # Positions whose K/V stay valid: the history computed now plus the accepted drafts; the
             # rest of the verified block is rolled back by not counting it.
-            computed = item.num_new_tokens + max(0, len(new_tokens) - 1)
+            computed = item.num_new_tokens + max(0, len(new_tokens[i]) - 1)
             if captured is not None:
                 context_items.append((r, start, captured[flat:flat + computed]))
             flat += rows[i].num_tokens
             r.num_computed_tokens = start + computed
-            if r.first_token_time is None and new_tokens:
+            if r.first_token_time is None and new_tokens[i]:
                 r.first_token_time = time.monotonic()
-            outputs.append(self._output(r, self._append(r, new_tokens)))
+            outputs.append(self._output(r, self._append(r, new_tokens[i], logprobs.get(i))))
         clock("bookkeeping")
         if context_items:
             spec.store_context(context_items)
@@ -298,6 +330,20 @@ class LLMEngine:
                 self._commit(request)
         clock("bookkeeping")
         return outputs
+
+    @staticmethod
+    def _logprobs(raw_logits: torch.Tensor, scheduled: list[ScheduledRequest], slices: list[slice | None],
+                  new_tokens: list[list[int]]) -> dict[int, list[TokenLogprob]]:
+        """Per scheduled index asking for logprobs: its new tokens' entries, from the target's raw logits (a
+        verified token k from verify row k, as target-only decoding would give it), all rows in one batch."""
+        want = [i for i, item in enumerate(scheduled) if new_tokens[i] and item.request.params.logprobs is not None]
+        if not want:
+            return {}
+        entries = iter(token_logprobs(
+            raw_logits, [slices[i].start + k for i in want for k in range(len(new_tokens[i]))],
+            [t for i in want for t in new_tokens[i]],
+            [scheduled[i].request.params.logprobs for i in want for _ in new_tokens[i]]))
+        return {i: [next(entries) for _ in new_tokens[i]] for i in want}
 
     def _phase_clock(self):
         """A function that charges the time since its last call to a phase (a no-op unless timing)."""
@@ -320,12 +366,13 @@ class LLMEngine:
             draft = r.num_draft_context if r.draft_context_valid else 0
         self.kv.commit(r.request_id, r.all_token_ids, r.num_computed_tokens, draft)
 
-    def _append(self, r: Request, new_tokens: list[int]) -> list[int]:
-        """Append tokens until a stop condition; finish the request when one is met.
+    def _append(self, r: Request, new_tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> list[int]:
+        """Append tokens (and their ``logprobs`` entries) until a stop condition; finish the request when one is met.
 
         With a tokenizer, each token's text is detokenized incrementally onto ``r.output_text`` and stop
         strings are looked for only where one could end in that new text; a stop cuts the text where it
-        begins. When the request ends otherwise, the text still held back (incomplete UTF-8) is added too.
+        begins (or ends, with include_stop_str_in_output). When the request ends otherwise, the text still held
+        back (incomplete UTF-8) is added too. Before min_tokens output tokens no stop is honoured.
         """
         detok = None
         if self.tokenizer is not None:
@@ -333,26 +380,33 @@ class LLMEngine:
                 r.detokenizer = self.tokenizer.detokenizer()
             detok = r.detokenizer
         appended = []
-        for token in new_tokens:
+        for k, token in enumerate(new_tokens):
             r.output_token_ids.append(token)
+            if logprobs is not None:
+                r.output_logprobs.append(logprobs[k])
             appended.append(token)
-            if detok is not None and _extend_text(r, detok.step(r.output_token_ids)):
+            stops = len(r.output_token_ids) >= r.params.min_tokens
+            if detok is not None and _extend_text(r, detok.step(r.output_token_ids), stops):
                 reason = "stop"                                  # a stop string: the text is cut at it
             else:
                 reason = self._limit_reason(r, token)
-                if reason and detok is not None and _extend_text(r, detok.finish(r.output_token_ids)):
+                if reason and detok is not None and _extend_text(r, detok.finish(r.output_token_ids), stops):
                     reason = "stop"                              # a stop string in the held-back text
             if reason:
                 self._finish(r, reason)
                 break
+        if r.logits_state is not None:
+            r.logits_state.add(appended)
         # Tokens past a stop were verified but are not output: the cache length never exceeds the history.
         r.num_computed_tokens = min(r.num_computed_tokens, r.num_tokens - 1)
         r.num_draft_context = min(r.num_draft_context, r.num_computed_tokens)
         return appended
 
     def _limit_reason(self, r: Request, token: int) -> str | None:
-        """Why ``token``, just appended, ends the request (EOS, max_tokens, the context), if it does."""
-        if token in self.eos_token_ids and not r.params.ignore_eos:
+        """Why ``token``, just appended, ends the request (EOS or a stop token, max_tokens, the context), if it does."""
+        # No min_tokens check: before min_tokens these tokens are masked out of the distribution.
+        p = r.params
+        if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
             return "stop"
         if len(r.output_token_ids) >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
             return "length"
@@ -369,7 +423,7 @@ class LLMEngine:
         r.output_token_ids.append(first_token)
         if self.tokenizer is not None:
             r.detokenizer = self.tokenizer.detokenizer()
-            if _extend_text(r, r.detokenizer.step(r.output_token_ids)):
+            if _extend_text(r, r.detokenizer.step(r.output_token_ids), params.min_tokens <= 1):
                 return None
         if self._limit_reason(r, first_token) is not None:
             return None
@@ -378,33 +432,43 @@ class LLMEngine:
     def _output(self, r: Request, appended: list[int]) -> RequestOutput:
         """The request's output now: its full text so far, and as text_delta the part that became final."""
         end = len(r.output_text)
-        if not r.finished and r.params.stop:
-            end -= max(map(len, r.params.stop)) - 1     # a stop string may still begin there
+        if not r.finished and r.params.stop and not r.params.include_stop_str_in_output:
+            end -= max(map(len, r.params.stop)) - 1     # a stop string may still begin there (and be cut)
         delta = ""
         if end > r.num_text_sent:
             delta = r.output_text[r.num_text_sent:end]
             r.num_text_sent = end
+        logprobs = new_logprobs = None
+        if r.params.logprobs is not None:
+            logprobs = list(r.output_logprobs)
+            new_logprobs = logprobs[len(logprobs) - len(appended):]
         return RequestOutput(r.request_id, r.prompt_token_ids, list(r.output_token_ids), r.output_text,
-                             r.finished, r.finish_reason, r.num_cached_tokens, r.spec, appended, delta)
+                             r.finished, r.finish_reason, r.num_cached_tokens, r.spec, appended, delta,
+                             logprobs, new_logprobs)
 
 
-def _extend_text(r: Request, new: str) -> bool:
-    """Add newly detokenized text to ``r.output_text``; True (the text cut at it) when a stop string ends in it."""
+def _extend_text(r: Request, new: str, honour_stops: bool = True) -> bool:
+    """Add newly detokenized text to ``r.output_text``; True (the text cut at it, or after it with
+    include_stop_str_in_output) when a stop string ends in it and ``honour_stops``."""
     if not new:
         return False
     r.output_text += new
-    if not r.params.stop:
+    if not r.params.stop or not honour_stops:
         return False
     # Only a stop ending in the new text is new: it begins in its last len(new) + max(len(stop)) - 1 chars.
     start = max(0, len(r.output_text) - len(new) - max(map(len, r.params.stop)) + 1)
-    cut = _stop_index(r.output_text, r.params.stop, start)
-    if cut is None:
+    hit = _find_stop(r.output_text, r.params.stop, start)
+    if hit is None:
         return False
-    r.output_text = r.output_text[:cut]
+    begin, stop = hit
+    r.output_text = r.output_text[:begin + len(stop) if r.params.include_stop_str_in_output else begin]
     return True
 
 
-def _stop_index(text: str, stops: Sequence[str], start: int = 0) -> int | None:
-    """Where the earliest stop string occurring in ``text[start:]`` begins (None if none occurs)."""
-    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(hits) if hits else None
+def _find_stop(text: str, stops: Sequence[str], start: int = 0) -> tuple[int, str] | None:
+    """Where the earliest stop string in ``text[start:]`` begins, and which (the shortest of those beginning there)."""
+    hits = [(i, len(s), s) for i, s in ((text.find(s, start), s) for s in stops) if i >= 0]
+    if not hits:
+        return None
+    begin, _, stop = min(hits)
+    return begin, stop

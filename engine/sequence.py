@@ -4,13 +4,28 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.sampler import LogitsState
+
+
+MAX_LOGPROBS = 20          # OpenAI's top_logprobs limit
+MAX_LOGIT_BIAS = 100.0
+
+
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How a request samples and stops (OpenAI / vLLM semantics); validated here, token ids against the
+    vocabulary when the engine takes the request."""
+
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
@@ -18,26 +33,90 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # Per emitted token: its log-probability and the top ``logprobs`` alternatives, from the target's raw
+    # logits (log_softmax of the model output, before temperature, penalties and bias: vLLM's default).
+    logprobs: int | None = None
+    stop_token_ids: tuple[int, ...] = ()            # end like EOS (the token is kept), whatever ignore_eos says
+    include_stop_str_in_output: bool = False
+    # Before this many output tokens EOS and stop_token_ids are masked and no stop is honoured. Not checked
+    # against max_tokens (max_tokens wins): a prefill peer runs the request with max_tokens=1.
+    min_tokens: int = 0
+    # token id -> value added to its logit; a dict or pairs, stored as sorted pairs (hashable).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0      # OpenAI: minus this once a token occurs in the output
+    frequency_penalty: float = 0.0     # OpenAI: minus this per occurrence in the output
+    repetition_penalty: float = 1.0    # HF / vLLM: over prompt and output, positive logits divided, negative multiplied
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if isinstance(self.stop_token_ids, int):
+            raise ValueError(f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        try:
+            bias = dict(bias)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
+        for token, value in bias.items():
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                 f"got {value!r} for token {token}")
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, float(v)) for t, v in bias.items())))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflows to inf (NaN probabilities); the limit of such a
+        # temperature is the argmax anyway.
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+    @property
+    def penalised(self) -> bool:
+        """Some penalty depends on the tokens so far (then the engine keeps per-token counts)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token's log-probability under the target's raw logits, and the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()     # (token id, logprob), best first; SamplingParams.logprobs of them
 
 
 class RequestStatus(enum.Enum):
@@ -106,6 +185,8 @@ class Request:
     draft_context_valid: bool = True   # False: the drafter context over the prompt never arrived (ablation)
     hold_pages: bool = False           # keep the pages after finishing, until released (prefill for a peer)
     abort_after_transfer: bool = False  # aborted while its KV was being read: free the pages when the READ ends
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)   # per output token, when params.logprobs is set
+    logits_state: LogitsState | None = None   # device tensors for penalties, bias, min_tokens (None: none set)
 
     def __post_init__(self):
         if self.params.seed is not None and self.generator is None:

@@ -11,7 +11,7 @@ from engine.llm import EngineConfig, kv_cache_dtype
 from engine.llm_engine import Proposal
 from engine.model import Qwen3Model
 from engine.model_runner import Row, build_metadata, layer_kv_of
-from engine.sampler import probabilities, sample_from
+from engine.sampler import LogitsBlock, adjust_logits, probabilities, sample_from
 from engine.scheduler import ScheduledRequest
 from engine.sequence import Request
 from kv.manager import KVCacheManager
@@ -69,6 +69,12 @@ class DFlashSpeculator:
         for count in sorted({s.num_spec_tokens for s in rows}):
             group = [i for i, s in enumerate(rows) if s.num_spec_tokens == count]
             logits = self.draft_logits([rows[i].request for i in group], count)
+            # The target verifies under the request's bias, min_tokens mask and penalties: drafting under them too
+            # keeps acceptance up (the block's own drafts are not known yet, so its counts stop at the anchor).
+            blocks = [LogitsBlock(r.logits_state, j * count, count, len(r.output_token_ids))
+                      for j, r in enumerate(rows[i].request for i in group) if r.logits_state is not None]
+            if blocks:
+                logits = adjust_logits(logits.flatten(0, 1), blocks).view_as(logits)
             greedy = logits.argmax(-1).tolist()
             for j, i in enumerate(group):
                 request = rows[i].request

@@ -397,16 +397,43 @@ def test_default_target_layer_ids():
     assert default_target_layer_ids(2, 1) == [1]
 
 
-def test_speculative_sampling_follows_target_distribution():
-    """Rejection sampling over a 6-token vocabulary: the emitted first token follows p, not q."""
-    from engine.sampler import probabilities
+PENALISED = dict(frequency_penalty=2.0, presence_penalty=1.0, repetition_penalty=1.5, logit_bias={0: 1.0, 5: -1.5})
+
+
+def penalised_by_hand(logits, prompt, output):
+    """The PENALISED options applied to one row of logits, written out token by token."""
+    x = logits.clone()
+    for t, b in PENALISED["logit_bias"].items():
+        x[t] += b
+    for t in set(prompt) | set(output):
+        x[t] = x[t] / 1.5 if x[t] > 0 else x[t] * 1.5
+    for t in set(output):
+        x[t] -= 2.0 * output.count(t) + 1.0
+    return x
+
+
+@pytest.mark.parametrize("case", ["plain", "penalised"])
+def test_speculative_sampling_follows_target_distribution(case):
+    """Rejection sampling over a 6-token vocabulary: the emitted first token follows p, not q; penalised, p at
+    verify row k counts the k drafts before it."""
+    from engine.sampler import LogitsBlock, LogitsState, adjust_logits, probabilities
 
     torch.manual_seed(0)
     target_logits = torch.randn(3, 6) * 1.5
     draft_logits = torch.randn(2, 6) * 1.5
-    params = SamplingParams(temperature=1.0)
-    p = probabilities(target_logits, params)
-    q = probabilities(draft_logits, params)
+    params = SamplingParams(temperature=1.0, **(PENALISED if case == "penalised" else {}))
+    q = probabilities(draft_logits, SamplingParams(temperature=1.0))
+    if case == "penalised":
+        prompt, output = [1], [2]              # the request so far
+        state = LogitsState(params, prompt, vocab_size=6, eos_token_ids=(), device=torch.device("cpu"))
+        state.add(output)
+        p0 = penalised_by_hand(target_logits[0], prompt, output).softmax(-1)
+        after = int(torch.minimum(p0, q[0]).argmax())   # the most often accepted draft: most samples after it
+        p1 = penalised_by_hand(target_logits[1], prompt, output + [after]).softmax(-1)
+        stale_p1 = penalised_by_hand(target_logits[1], prompt, output).softmax(-1)
+    else:
+        p0, p1 = probabilities(target_logits[:2], params)
+        after = 3
     g = torch.Generator().manual_seed(1234)
     n = 8000
     first = torch.zeros(6)
@@ -414,21 +441,27 @@ def test_speculative_sampling_follows_target_distribution():
     n_second = 0
     for _ in range(n):
         drafts = [int(torch.multinomial(q[k], 1, generator=g)) for k in range(2)]
-        out = verify_sampling(drafts, q, target_logits, params, g)
+        logits = target_logits
+        if case == "penalised":
+            logits = adjust_logits(target_logits, [LogitsBlock(state, 0, 3, len(output), drafts)])
+        out = verify_sampling(drafts, q, logits, params, g)
         first[out[0]] += 1
-        if len(out) > 1 and out[0] == 3:
+        if len(out) > 1 and out[0] == after:
             second[out[1]] += 1
             n_second += 1
     # Chi-square against p with 5 degrees of freedom: 20.5 is the 0.1% critical value.
-    expected = p[0] * n
+    expected = p0 * n
     chi2 = ((first - expected) ** 2 / expected).sum().item()
-    assert chi2 < 20.5, (first / n, p[0])
-    # The token after a 3 follows p[1] (the target's distribution at that position).
-    expected2 = p[1] * n_second
+    assert chi2 < 20.5, (first / n, p0)
+    # The token after ``after`` follows p[1] (the target's distribution at that position).
+    expected2 = p1 * n_second
     assert ((second - expected2) ** 2 / expected2).sum().item() < 20.5
     # And the draft distribution itself would be rejected by the same test (the test has power).
     chi2_q = ((first - q[0] * n) ** 2 / (q[0] * n)).sum().item()
     assert chi2_q > 20.5
+    if case == "penalised":
+        # As would counts that miss the draft accepted before row 1.
+        assert ((second - stale_p1 * n_second) ** 2 / (stale_p1 * n_second)).sum().item() > 20.5
 
 
 def test_seeded_speculative_sampling_is_reproducible(tiny_target, drafter_dir):
