@@ -71,6 +71,10 @@ class EngineLoop:
             except RuntimeError:       # the consumer's event loop closed: nobody is listening any more
                 pass
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
     def shutdown(self) -> None:
         self._stop.set()
         self._commands.put(None)

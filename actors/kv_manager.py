@@ -28,6 +28,7 @@ from kv.pool import KVPool
 from kv.spec import KVLayerSpec
 
 log = logging.getLogger(__name__)
+READ_DEADLINE_MARGIN_S = 5.0
 
 
 class LeaseState(enum.Enum):
@@ -98,7 +99,7 @@ class KVManagerActor:
         self._leases[lease_id] = Lease(request_id, LeaseState.HELD, timer)
         return lease_id
 
-    async def begin_read(self, lease_id: str) -> bool:
+    async def begin_read(self, lease_id: str, read_timeout_s: float | None = None) -> bool:
         """A peer is about to READ this lease's pages: True while it is held (then it cannot expire)."""
         lease = self._leases.get(lease_id)
         if lease is None or lease.state != LeaseState.HELD:
@@ -106,8 +107,11 @@ class KVManagerActor:
             return False
         lease.timer.cancel()
         lease.state = LeaseState.READING
-        # Only for a reader that dies mid-READ: its own READ timeout is far shorter.
-        lease.timer = asyncio.get_running_loop().call_later(self.read_deadline_s, self._expire, lease_id)
+        # Only for a reader that dies mid-READ. A READ never writes here, and a reader past its own timeout has
+        # failed the request, so once that has passed (plus a margin) freeing cannot hand anyone foreign KV.
+        deadline = self.read_deadline_s if read_timeout_s is None else min(self.read_deadline_s,
+                                                                            read_timeout_s + READ_DEADLINE_MARGIN_S)
+        lease.timer = asyncio.get_running_loop().call_later(deadline, self._expire, lease_id)
         return True
 
     async def end_read(self, lease_id: str) -> None:
@@ -129,7 +133,9 @@ class KVManagerActor:
 
     def _expire(self, lease_id: str) -> None:
         if lease_id in self._leases:
-            log.warning("%s: lease %s expired unread; freeing its pages", self.name, lease_id)
+            state = self._leases[lease_id].state
+            log.warning("%s: lease %s expired %s; freeing its pages", self.name, lease_id,
+                        "unread" if state == LeaseState.HELD else "mid-READ (its reader is gone)")
             self._release(lease_id, "timed_out")
 
     def _release(self, lease_id: str, reason: str) -> None:
@@ -160,7 +166,7 @@ class KVManagerActor:
         Returns or raises only once the READ can no longer write into ``local_tables``.
         """
         start = time.perf_counter()
-        if not await peer_kv_manager.begin_read.remote(lease_id):
+        if not await peer_kv_manager.begin_read.remote(lease_id, timeout_s):
             raise TransferError(f"the prefill hold {lease_id} at {peer_name} expired or was cancelled before "
                                 "its READ")
         read_start = time.perf_counter()

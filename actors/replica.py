@@ -119,6 +119,13 @@ class EngineReplica:
     async def ready(self) -> str:
         return self.replica_id
 
+    async def check_health(self) -> None:
+        """Raise when a rank cannot serve. Serve calls this periodically and replaces a replica that fails it
+        (a new replica brings new rank actors)."""
+        problems = await asyncio.to_thread(self.group.health_problems)
+        if problems:
+            raise RuntimeError(f"{self.replica_id} cannot serve: {'; '.join(problems)}")
+
     async def rank_infos(self) -> list[str]:
         return list(self.group.rank_infos)
 

@@ -18,6 +18,8 @@ from actors.memory import map_segment
 from engine.llm import EngineConfig
 from kv.spec import LayerOwner
 
+HEALTH_PING_TIMEOUT_S = 5.0
+
 
 def build_engine(config: EngineConfig, allocate=None):
     from spec_decode import build_engine as build      # the engine with its DFlash drafter, when configured
@@ -82,7 +84,7 @@ class RankGroup:
             gpu = torch.device(config.device).type == "cuda"
             for tp_rank in range(tp_size):
                 self.kv_managers.append(ray.remote(KVManagerActor).options(
-                    num_cpus=0, num_gpus=0.1 if gpu else 0, scheduling_strategy=_beside_me(), max_restarts=0,
+                    name=self.agent_name(tp_rank), num_cpus=0, num_gpus=0.1 if gpu else 0, scheduling_strategy=_beside_me(), max_restarts=0,
                 ).remote(self.agent_name(tp_rank), device=config.device, tp_size=tp_size, tp_rank=tp_rank,
                          hold_timeout_s=hold_timeout_s, num_threads=num_threads, read_delay_s=read_delay_s))
         self.workers = [RankWorker(config, self.kv_managers[0] if transfers else None, num_threads=num_threads,
@@ -97,6 +99,20 @@ class RankGroup:
     @property
     def worker(self) -> RankWorker:
         return self.workers[0]
+
+    def health_problems(self, timeout_s: float = HEALTH_PING_TIMEOUT_S) -> list[str]:
+        """Why a rank cannot serve (empty when every rank can): its engine thread stopped, or its KV manager
+        does not answer. Blocks up to ``timeout_s``."""
+        import ray
+
+        problems = [f"rank {r}: the engine loop has stopped" for r, w in enumerate(self.workers) if not w.loop.alive]
+        pings = [kvm.ping.remote() for kvm in self.kv_managers]
+        for rank, ping in enumerate(pings):
+            try:
+                ray.get(ping, timeout=timeout_s)
+            except Exception as e:
+                problems.append(f"rank {rank}: its KV manager does not answer ({type(e).__name__})")
+        return problems
 
     def shutdown(self) -> None:
         import ray

@@ -27,28 +27,30 @@ def _engine_options(settings: DeploymentSettings, service: ServiceConfig, transf
     return options
 
 
-def build_service(service: ServiceConfig, app_name: str = DEFAULT_APP_NAME) -> Application:
+def build_service(service: ServiceConfig) -> Application:
     """The bound application for a validated config."""
     from serve_app.ingress import Ingress
+    from serve_app.metrics import MetricsHub
     from serve_app.replicas import AggregatedServer, DecodeServer, PrefillServer
 
     args = service.model_dump(mode="json")
     ingress_options = service.ingress.serve_options()
+    # Part of the application: it is deleted with it (nothing outlives `serve shutdown`).
+    hub = serve.deployment(MetricsHub, name="MetricsHub").options(
+        num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000).bind()
     if service.mode == "aggregated":
         backends = {"aggregated": serve.deployment(AggregatedServer, name="AggregatedServer").options(
-            **_engine_options(service.aggregated, service, transfer=False)).bind(args, app_name)}
+            **_engine_options(service.aggregated, service, transfer=False)).bind(args, hub)}
     else:
         backends = {
             "prefill": serve.deployment(PrefillServer, name="PrefillServer").options(
-                **_engine_options(service.prefill, service, transfer=True)).bind(args, app_name),
+                **_engine_options(service.prefill, service, transfer=True)).bind(args, hub),
             "decode": serve.deployment(DecodeServer, name="DecodeServer").options(
-                **_engine_options(service.decode, service, transfer=True)).bind(args, app_name),
+                **_engine_options(service.decode, service, transfer=True)).bind(args, hub),
         }
-    return serve.deployment(Ingress, name="Ingress").options(**ingress_options).bind(args, app_name, **backends)
+    return serve.deployment(Ingress, name="Ingress").options(**ingress_options).bind(args, hub, **backends)
 
 
 def build_app(args: dict | None = None) -> Application:
     """Serve's app builder: ``args`` is a ServiceConfig dict (a bad field raises, naming it)."""
-    args = dict(args or {})
-    app_name = args.pop("app_name", DEFAULT_APP_NAME)
-    return build_service(parse_service_config(args), app_name)
+    return build_service(parse_service_config(args or {}))

@@ -93,7 +93,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     url = f"http://{host}:{port}"
     try:
         serve.start(http_options={"host": host, "port": port})
-        serve.run(build_service(service, DEFAULT_APP_NAME), name=DEFAULT_APP_NAME, route_prefix="/",
+        serve.run(build_service(service), name=DEFAULT_APP_NAME, route_prefix="/",
                   blocking=False)
         deadline = time.monotonic() + args.ready_timeout
         while True:

@@ -107,6 +107,10 @@ class DeploymentSettings(_Strict):
     num_gpus: float = Field(0.0, ge=0)
     max_ongoing_requests: int = Field(64, ge=1)
     max_queued_requests: int = Field(-1, ge=-1)     # -1: unbounded; beyond it the handle refuses (503)
+    # Serve calls each replica's health check this often and replaces a replica after 3 failures in a row
+    # (an engine replica fails it when a rank's KV manager or engine thread is dead).
+    health_check_period_s: float = Field(2.0, gt=0)
+    health_check_timeout_s: float = Field(10.0, gt=0)
 
     @model_validator(mode="after")
     def _one_scaling_mode(self):
@@ -119,6 +123,8 @@ class DeploymentSettings(_Strict):
             "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
             "max_ongoing_requests": self.max_ongoing_requests,
             "max_queued_requests": self.max_queued_requests,
+            "health_check_period_s": self.health_check_period_s,
+            "health_check_timeout_s": self.health_check_timeout_s,
         }
         if self.autoscaling is not None:
             options["autoscaling_config"] = self.autoscaling.model_dump(exclude_none=True)
@@ -143,7 +149,12 @@ class ServiceConfig(_Strict):
     decode: DeploymentSettings = Field(default_factory=DeploymentSettings)
     transfer_draft_kv: bool = True                   # False: the ablation (decode drafts from an empty context)
     hold_timeout_s: float = Field(30.0, gt=0)        # prefill pages wait this long for their READ
-    max_concurrent_requests: int = Field(256, ge=1)  # per ingress replica; beyond it: 503 overloaded
+    max_concurrent_requests: int = Field(256, ge=1)  # choices (prompts x n) per ingress replica; beyond: 429
+    max_request_bytes: int = Field(1 << 20, ge=1024)  # a larger request body is refused (413) unread
+    # Clients must send "Authorization: Bearer <key>" on /v1/* when a key is set (here or, better, kept out of
+    # the config in the ingress's DFLASH_API_KEY environment variable); /health and /metrics stay open.
+    api_key: str | None = Field(None, min_length=1)
+    enable_docs: bool = False                        # FastAPI's /docs and /openapi.json
     metrics_report_interval_s: float = Field(0.5, gt=0)
 
     def engine_roles(self) -> tuple[str, ...]:

@@ -1,14 +1,22 @@
 """The OpenAI-compatible HTTP ingress (FastAPI on Ray Serve): validation, tokenization, SSE, errors, /metrics.
 
-A request's path: pydantic checks the body (422), the ingress checks values, model and context (400/404),
-tokenizes, and asks the ``Router`` for each choice's chunk stream; replicas report errors as chunks, which
-become HTTP errors before the first byte is sent, or a final SSE error event after.
+A request's path: the guard checks the API key and the body size (401/413), pydantic checks the body (422),
+the ingress checks values and model (400/404), admits the request's choices (429 above the in-flight limit),
+tokenizes off the event loop, checks the context (400), and asks the ``Router`` for each choice's chunk
+stream; replicas report errors as chunks, which become HTTP errors before the first byte is sent, or a final
+SSE error event after. Every error body has OpenAI's shape; what a 5xx hides goes to the log under the
+request id.
 """
 
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import hmac
 import json
+import logging
+import os
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -19,46 +27,179 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.sequence import SamplingParams
 from serve_app.config import ServiceConfig
-from serve_app.metrics import ServiceMetrics, get_hub
+from serve_app.metrics import ServiceMetrics
 from serve_app.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                 ChatCompletionRequest, ChatCompletionResponse, ChatDelta, CompletionChoice,
                                 CompletionChunk, CompletionRequest, CompletionResponse, PromptTokensDetails,
-                                SpecDecodeUsage, Usage, render_chat, sampling_params)
+                                SpecDecodeUsage, Usage, check_text, render_chat, sampling_params)
 from serve_app.router import Router
 
-api = FastAPI(title="dflash-serve")
+log = logging.getLogger("dflash.ingress")
+# /docs and /openapi.json are off unless the config turns them on (``Ingress.__init__``).
+api = FastAPI(title="dflash-serve", docs_url=None, redoc_url=None, openapi_url=None)
 READY_TTL_S = 1.0
+RETRY_AFTER_S = 1
+API_KEY_ENV = "DFLASH_API_KEY"
+
+# What a client is told of a server-side failure; the details go to the log under the request id.
+PUBLIC_MESSAGES = {
+    "overloaded": "the service is overloaded; retry later",
+    "unavailable": "no replica is available to serve this request right now; retry later",
+    "transfer_error": "moving this request's KV cache from the prefill to the decode replica failed; retry it",
+    "server_error": "the server failed while serving this request; retry it",
+}
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 @api.exception_handler(APIError)
 async def _api_error(_: Request, e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return _error_response(e)
 
 
 @api.exception_handler(RequestValidationError)
 async def _schema_error(_: Request, e: RequestValidationError) -> JSONResponse:
-    first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
-    param = ".".join(str(p) for p in first["loc"] if p != "body") or None
-    message = "; ".join(f"{'.'.join(str(p) for p in err['loc'] if p != 'body')}: {err['msg']}" for err in e.errors())
-    return JSONResponse(APIError(422, message, "invalid_request_error", param, "schema_violation").body(),
-                        status_code=422)
+    errors = e.errors() or [{"loc": (), "msg": "invalid request", "type": "value_error"}]
+    if any(err.get("type") == "json_invalid" for err in errors):
+        return _error_response(APIError(400, "the request body is not valid JSON", code="invalid_json"))
+    param = ".".join(str(p) for p in errors[0]["loc"] if p != "body") or None
+    # pydantic's messages name the field and the rule, never the value sent.
+    message = "; ".join(f"{'.'.join(str(p) for p in err['loc'] if p != 'body') or 'body'}: {err['msg']}"
+                        for err in errors)
+    return _error_response(APIError(422, message, "invalid_request_error", param, "schema_violation"))
 
 
-def _from_chunk(chunk: dict) -> APIError:
-    return APIError(chunk["status"], chunk["message"], chunk.get("error_type", "server_error"))
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    messages = {404: f"no such path: {request.method} {request.url.path}",
+                405: f"{request.method} is not allowed on {request.url.path}"}
+    message = messages.get(e.status_code, str(e.detail))
+    kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+    return _error_response(APIError(e.status_code, message, kind, headers=dict(e.headers or {}) or None))
 
 
-def _from_exception(e: BaseException) -> APIError:
+@api.exception_handler(Exception)
+async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+    error_id = f"err-{uuid.uuid4().hex[:16]}"
+    log.error("%s: %s %s failed", error_id, request.method, request.url.path, exc_info=e)
+    return _error_response(APIError(500, f"{PUBLIC_MESSAGES['server_error']} (error id {error_id})",
+                                    "server_error"))
+
+
+def _public(status: int, kind: str, message: str, request_id: str) -> APIError:
+    """The error a client sees: 4xx as they are (they are about the request), 5xx without internals."""
+    if status < 500:
+        return APIError(status, message, kind)
+    log.error("%s: %s (%s): %s", request_id, status, kind, message)
+    kind = kind if kind in PUBLIC_MESSAGES else "server_error"
+    code = kind if kind in ("overloaded", "unavailable") else None
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return APIError(status, f"{PUBLIC_MESSAGES[kind]} (request {request_id})", kind, code=code, headers=headers)
+
+
+def _from_chunk(chunk: dict, request_id: str) -> APIError:
+    return _public(chunk["status"], chunk.get("error_type", "server_error"), chunk["message"], request_id)
+
+
+def _error_chunk_from(e: BaseException) -> dict:
+    """A Serve or Ray failure (a replica died, none is available, back-pressure) as an error chunk."""
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
+    detail = f"{type(e).__name__}: {e}"
     if isinstance(e, BackPressureError):
-        return APIError(503, f"overloaded: {e}", "overloaded", code="overloaded")
-    if isinstance(e, DeploymentUnavailableError) or type(e).__name__ in ("RayActorError", "ActorDiedError"):
-        return APIError(503, f"no replica is available: {e}", "unavailable", code="unavailable")
-    return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+        return {"type": "error", "status": 503, "message": detail, "error_type": "overloaded"}
+    if isinstance(e, DeploymentUnavailableError) or type(e).__name__ in ("RayActorError", "ActorDiedError",
+                                                                          "ActorUnavailableError"):
+        return {"type": "error", "status": 503, "message": detail, "error_type": "unavailable"}
+    return {"type": "error", "status": 500, "message": detail, "error_type": "server_error"}
+
+
+class Guard:
+    """ASGI middleware in front of the routes: the API key (on /v1/*) and the request-body size limit.
+
+    Reads its settings from the app's ``state`` (set by the ingress replica's constructor). Serve runs a copy
+    of ``api`` made when the deployment class was defined, so the app is taken from the scope, never from
+    this module's global."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        settings = getattr(scope["app"].state, "guard", None)
+        if settings is None:
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        path = scope["path"]
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):       # an application under a route prefix
+            path = path[len(root):]
+        if settings["api_key"] and path.startswith("/v1/"):
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                     settings["api_key"].encode()):
+                return await _send(scope, receive, send, APIError(
+                    401, "a valid API key is required (Authorization: Bearer <key>)", code="invalid_api_key"))
+        limit = settings["max_request_bytes"]
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return await _send(scope, receive, send, _too_large(limit))
+        if scope.get("method") not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        # Read the body here (it is small: at most the limit) so a chunked body cannot exceed it either.
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                return await _send(scope, receive, send, _too_large(limit))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+def api_key(service: ServiceConfig) -> str | None:
+    """The key clients must present: the config's, else the ingress's DFLASH_API_KEY, else none (open)."""
+    return service.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
+
+
+async def _send(scope, receive, send, e: APIError) -> None:
+    await _error_response(e)(scope, receive, send)
+
+
+api.add_middleware(Guard)
+
+
+def _lower_priority() -> None:
+    """Run this (tokenizer) thread below the event loop's priority: a huge prompt yields the CPU to the short
+    requests the loop is serving (Linux schedules threads by their own nice value)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except OSError:       # not permitted here: the thread keeps the normal priority
+        pass
 
 
 class Choice:
@@ -91,8 +232,7 @@ class Choice:
             raise
         except Exception as e:
             self.done = True
-            err = _from_exception(e)
-            return {"type": "error", "status": err.status, "message": err.message, "error_type": err.type}
+            return _error_chunk_from(e)
         if chunk["type"] == "error":
             self.done = True
             return chunk
@@ -128,13 +268,15 @@ class Choice:
 
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, service: dict, app_name: str, **backends):
+    def __init__(self, service: dict, hub, **backends):
         self.service = ServiceConfig.model_validate(service)
-        self.app_name = app_name
         self.model_name = self.service.model.name
         self.metrics = ServiceMetrics(self.model_name)
         self.router = Router(backends, on_transfer=lambda stats: self.metrics.observe_transfer(stats, stats is None))
-        self.hub = get_hub(app_name)
+        self.hub = hub
+        self.ingress_id = f"ingress-{uuid.uuid4().hex[:8]}"
+        self._closed = threading.Event()
+        threading.Thread(target=self._report, name="metrics-reporter", daemon=True).start()
         self.roles = self.service.engine_roles()
         model_dir = Path(self.service.model.resolved(self.service.model.model))
         self.tokenizer = None
@@ -145,15 +287,42 @@ class Ingress:
         self.vocab_size = hf["vocab_size"]
         self.max_model_len = min(self.service.model.max_model_len or hf["max_position_embeddings"],
                                  hf["max_position_embeddings"])
-        self.inflight = 0
+        self.inflight = 0               # choices (prompts x n) admitted and not finished
         self._ready_at = -1e9
         self._ready = False
+        self._unready: list[str] = list(self.roles)
         self._created = int(time.time())
+        # Tokenizing a large prompt takes a second: never on the event loop, which serves every other request.
+        self._cpu = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize",
+                                                          initializer=_lower_priority)
+        api.state.guard = {"api_key": api_key(self.service), "max_request_bytes": self.service.max_request_bytes}
+        if self.service.enable_docs and api.openapi_url is None:
+            api.openapi_url, api.docs_url = "/openapi.json", "/docs"
+            api.setup()
+
+    def _report(self) -> None:
+        """Push this ingress's request metrics to the hub, so a scrape of any ingress counts them."""
+        interval = self.service.metrics_report_interval_s
+        while not self._closed.wait(interval):
+            try:
+                self.hub.report.remote(self.ingress_id, {"role": "ingress", "interval_s": interval,
+                                                         "metrics": self.metrics.own_text()})
+            except Exception:      # a missed report only ages this ingress's share of /metrics
+                log.exception("metrics report failed")
+
+    def __del__(self):
+        self._closed.set()
+        try:
+            self.hub.forget.remote(self.ingress_id)
+        except Exception:
+            pass
 
     # --- admission --------------------------------------------------------------------------------
     async def _snapshots(self) -> dict[str, dict]:
         snaps = await self.hub.snapshots.remote()
-        self._ready = all(any(s["role"] == role for s in snaps.values()) for role in self.roles)
+        self._unready = [role for role in self.roles
+                         if not any(s["role"] == role and s.get("healthy", True) for s in snaps.values())]
+        self._ready = not self._unready
         self._ready_at = time.monotonic()
         return snaps
 
@@ -161,8 +330,22 @@ class Ingress:
         if time.monotonic() - self._ready_at > READY_TTL_S:
             await self._snapshots()
         if not self._ready:
-            raise APIError(503, f"no replica is ready (waiting for: {', '.join(self.roles)})", "unavailable",
-                           code="unavailable")
+            raise APIError(503, f"no healthy replica for: {', '.join(self._unready)}; retry later", "unavailable",
+                           code="unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    def _admit(self, num_choices: int, param: str) -> None:
+        """Count the request's choices against the in-flight limit (``_finish`` gives them back)."""
+        limit = self.service.max_concurrent_requests
+        if num_choices > limit:
+            raise APIError(400, f"the request asks for {num_choices} choices (prompts x n); at most {limit} are "
+                           "served at once", param=param)
+        if self.inflight + num_choices > limit:
+            raise APIError(429, f"overloaded: {self.inflight} choices in flight, the limit is {limit}; retry later",
+                           "overloaded", code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.inflight += num_choices
+
+    async def _offload(self, fn):
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn)
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -170,7 +353,9 @@ class Ingress:
                            "invalid_request_error", "model", "model_not_found")
 
     def _encode(self, prompt, param: str) -> list[int]:
+        """Token ids of a prompt (text or ids); runs on the tokenizer pool."""
         if isinstance(prompt, str):
+            check_text(prompt, param)
             if self.tokenizer is None:
                 raise APIError(400, "this model has no tokenizer; send token ids", param=param)
             ids = self.tokenizer.encode(prompt)
@@ -193,8 +378,8 @@ class Ingress:
     async def health(self):
         await self._snapshots()
         if not self._ready:
-            raise APIError(503, f"replicas are starting (waiting for: {', '.join(self.roles)})", "unavailable",
-                           code="unavailable")
+            raise APIError(503, f"no healthy replica for: {', '.join(self._unready)}", "unavailable",
+                           code="unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
         return {"status": "ok"}
 
     @api.get("/v1/models")
@@ -204,8 +389,8 @@ class Ingress:
 
     @api.get("/metrics")
     async def prometheus(self):
-        self.metrics.load_snapshots(await self._snapshots())
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        snapshots = await self._snapshots()
+        return Response(self.metrics.render(snapshots, self.ingress_id), media_type=CONTENT_TYPE_LATEST)
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
@@ -213,9 +398,15 @@ class Ingress:
         params = sampling_params(body, default_max_tokens=16)
         prompt = body.prompt
         batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
-        prompts = [self._encode(p, "prompt") for p in batch]
-        for ids in prompts:
-            self._check_context(ids, params, "prompt")
+        await self._check_ready()
+        self._admit(len(batch) * body.n, "n" if body.n > 1 else "prompt")
+        try:
+            prompts = await self._offload(lambda: [self._encode(p, "prompt") for p in batch])
+            for ids in prompts:
+                self._check_context(ids, params, "prompt")
+        except BaseException:
+            self.inflight -= len(batch) * body.n
+            raise
         return await self._serve(body, prompts, params, chat=False)
 
     @api.post("/v1/chat/completions")
@@ -223,22 +414,29 @@ class Ingress:
         self._check_model(body.model)
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer; chat needs one", param="messages")
+        sampling_params(body, default_max_tokens=1)        # bad values are refused before any work
+        await self._check_ready()
+        self._admit(body.n, "n")
+        try:
+            ids = await self._offload(lambda: self._encode(self._render(body.messages), "messages"))
+            explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            params = sampling_params(body, default_max_tokens=max(1, self.max_model_len - len(ids)))
+            self._check_context(ids, params, "messages" if explicit is None else "max_tokens")
+        except BaseException:
+            self.inflight -= body.n
+            raise
+        return await self._serve(body, [ids], params, chat=True)
+
+    def _render(self, messages) -> str:
+        for i, m in enumerate(messages):
+            check_text(m.text, f"messages.{i}.content")
         special = {k: self.tokenizer.config.get(k) or "" for k in ("bos_token", "eos_token")}
         special = {k: v.get("content", "") if isinstance(v, dict) else v for k, v in special.items()}
-        text = render_chat(body.messages, self.tokenizer.chat_template, special)
-        ids = self._encode(text, "messages")
-        explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = sampling_params(body, default_max_tokens=max(1, self.max_model_len - len(ids)))
-        self._check_context(ids, params, "messages" if explicit is None else "max_tokens")
-        return await self._serve(body, [ids], params, chat=True)
+        return render_chat(messages, self.tokenizer.chat_template, special)
 
     # --- responses ----------------------------------------------------------------------------------
     async def _serve(self, body, prompts: list[list[int]], params: SamplingParams, chat: bool):
-        await self._check_ready()
-        if self.inflight >= self.service.max_concurrent_requests:
-            raise APIError(503, f"overloaded: {self.inflight} requests in flight (limit "
-                           f"{self.service.max_concurrent_requests})", "overloaded", code="overloaded")
-        self.inflight += 1
+        """Stream or collect every choice; the choices were admitted by the caller, ``_finish`` releases them."""
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
         choices = []
         for p, ids in enumerate(prompts):
@@ -253,24 +451,24 @@ class Ingress:
             firsts = await asyncio.gather(*(c.next() for c in choices))
             for chunk in firsts:
                 if chunk is not None and chunk["type"] == "error":
-                    raise _from_chunk(chunk)
+                    raise _from_chunk(chunk, request_id)
             if body.stream:
                 handed_off = True
                 return EventSourceResponse(self._sse(body, request_id, choices, firsts, chat))
-            await asyncio.gather(*(self._drain(c) for c in choices))
+            await asyncio.gather(*(self._drain(c, request_id) for c in choices))
             return self._full_response(body, request_id, choices, chat)
         finally:
             if not handed_off:
                 await self._finish(choices)
 
-    async def _drain(self, choice: Choice) -> None:
+    async def _drain(self, choice: Choice, request_id: str) -> None:
         while not choice.done:
             chunk = await choice.next()
             if chunk is not None and chunk["type"] == "error":
-                raise _from_chunk(chunk)
+                raise _from_chunk(chunk, request_id)
 
     async def _finish(self, choices: list[Choice]) -> None:
-        self.inflight -= 1
+        self.inflight -= len(choices)
         for c in choices:
             await c.close()
             self.metrics.observe_finished(num_prompt_tokens=len(c.prompt_ids), num_generated=len(c.token_ids),
@@ -350,7 +548,7 @@ class Ingress:
                     remaining -= 1
                     continue
                 if chunk is not None and chunk["type"] == "error":
-                    yield format_sse_event(data_str=json.dumps(_from_chunk(chunk).body()))
+                    yield format_sse_event(data_str=json.dumps(_from_chunk(chunk, request_id).body()))
                     continue
                 text = c.delta()
                 if text or c.done:

@@ -1,53 +1,81 @@
 """Prometheus metrics of the service, in vLLM's naming style with a ``dflash_`` prefix.
 
-Request-level counters and histograms live in the ingress process (it sees every token go out). Engine
-state that only the replicas know (requests running and waiting, KV pages in use) is pushed by each
-replica to a small named ``MetricsHub`` actor; the ingress reads the hub on every scrape, so /metrics
-aggregates every live replica without the ingress having to reach replicas one by one.
+Request-level counters and histograms live in each ingress process (it sees every token go out). Engine
+state that only the replicas know (requests running and waiting, KV pages in use, health) is pushed by each
+replica to the application's ``MetricsHub`` deployment, and so is each ingress's own request metrics. A
+scrape of any ingress renders the sum over every live ingress plus the replicas' gauges: with several ingress
+replicas /metrics still counts every request. The hub is part of the Serve application, so it goes away with
+it (``serve shutdown``, ``serve.delete``).
 """
 
 from __future__ import annotations
 
 import time
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+# ``_created`` samples are timestamps: they cannot be summed over ingress replicas.
+prometheus_client.disable_created_metrics()
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-HUB_FRESH_S = 3.0      # a replica that has not reported for this long is gone (scaled down or dead)
-
-
-def hub_name(app_name: str) -> str:
-    return f"dflash-metrics-{app_name}"
+STALE_REPORTS = 3      # a replica that missed this many reports in a row is gone (scaled down or dead)
 
 
 class MetricsHub:
-    """Latest engine snapshot of every live replica (a Ray actor; replicas report, the ingress reads)."""
+    """Latest snapshot of every live engine replica and ingress (a Serve deployment of the application).
+
+    An engine replica's snapshot: ``role``, ``healthy``, batch sizes and pages per pool. An ingress's:
+    ``role: "ingress"`` and its request metrics in Prometheus text. Each carries ``interval_s``, its report
+    period: one that missed ``STALE_REPORTS`` reports is gone (scaled down or dead)."""
 
     def __init__(self):
         self._snapshots: dict[str, tuple[float, dict]] = {}
 
-    def report(self, replica: str, snapshot: dict) -> None:
-        self._snapshots[replica] = (time.monotonic(), snapshot)
+    def report(self, reporter: str, snapshot: dict) -> None:
+        self._snapshots[reporter] = (time.monotonic(), snapshot)
 
-    def forget(self, replica: str) -> None:
-        self._snapshots.pop(replica, None)
+    def forget(self, reporter: str) -> None:
+        self._snapshots.pop(reporter, None)
 
     def snapshots(self) -> dict[str, dict]:
         now = time.monotonic()
-        for replica in [r for r, (t, _) in self._snapshots.items() if now - t > HUB_FRESH_S]:
-            del self._snapshots[replica]
-        return {replica: snap for replica, (_, snap) in self._snapshots.items()}
+        stale = [r for r, (t, snap) in self._snapshots.items() if now - t > STALE_REPORTS * snap["interval_s"] + 0.5]
+        for reporter in stale:
+            del self._snapshots[reporter]
+        return {reporter: snap for reporter, (_, snap) in self._snapshots.items()}
 
 
-def get_hub(app_name: str):
-    """The application's hub, created on first use (detached: replicas come and go, the hub stays)."""
-    import ray
+def merge_exposition(texts: list[str]) -> list[Metric]:
+    """Prometheus text pages of several processes as one set of families, each sample summed over them."""
+    families: dict[str, Metric] = {}
+    sums: dict[str, dict[tuple, float]] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            families.setdefault(family.name, Metric(family.name, family.documentation, family.type, family.unit))
+            acc = sums.setdefault(family.name, {})
+            for sample in family.samples:
+                key = (sample.name, tuple(sample.labels.items()))
+                acc[key] = acc.get(key, 0.0) + sample.value
+    for name, family in families.items():
+        for (sample_name, labels), value in sums[name].items():
+            family.add_sample(sample_name, dict(labels), value)
+    return list(families.values())
 
-    return ray.remote(MetricsHub).options(name=hub_name(app_name), namespace="dflash", get_if_exists=True,
-                                          lifetime="detached", num_cpus=0).remote()
+
+class _Families:
+    """A collector of fixed metric families (the merged ingress metrics of one scrape)."""
+
+    def __init__(self, families: list[Metric]):
+        self.families = families
+
+    def collect(self):
+        return iter(self.families)
 
 
 class ServiceMetrics:
@@ -55,16 +83,19 @@ class ServiceMetrics:
 
     def __init__(self, model_name: str):
         self.model_name = model_name
-        self.registry = r = CollectorRegistry()
         m = ["model_name"]
+        # Replica gauges: filled from the hub at each scrape.
+        self.replica_registry = r = CollectorRegistry()
         self.running = Gauge("dflash_num_requests_running", "Requests in an engine's running batch", m + ["role"],
                              registry=r)
         self.waiting = Gauge("dflash_num_requests_waiting", "Requests waiting for a batch slot or their KV transfer",
                              m + ["role"], registry=r)
-        self.replicas = Gauge("dflash_num_replicas", "Engine replicas reporting", m + ["role"], registry=r)
+        self.replicas = Gauge("dflash_num_replicas", "Healthy engine replicas reporting", m + ["role"], registry=r)
         self.pages_in_use = Gauge("dflash_kv_pages_in_use", "KV pages in use", m + ["role", "pool", "owner"],
                                   registry=r)
         self.pages_total = Gauge("dflash_kv_pages_total", "KV pages", m + ["role", "pool", "owner"], registry=r)
+        # Request metrics of this ingress: summed with the other ingresses' at each scrape.
+        self.registry = r = CollectorRegistry()
         self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens processed", m, registry=r)
         self.generation_tokens = Counter("dflash_generation_tokens", "Tokens generated", m, registry=r)
         self.request_success = Counter("dflash_request_success", "Requests finished", m + ["finished_reason"],
@@ -120,13 +151,19 @@ class ServiceMetrics:
             self.transfer_latency.labels(self.model_name).observe(stats["seconds"])
 
     # --- per scrape, from the hub ---------------------------------------------------------------
+    def own_text(self) -> str:
+        """This ingress's request metrics, as it reports them to the hub."""
+        return generate_latest(self.registry).decode()
+
     def load_snapshots(self, snapshots: dict[str, dict]) -> None:
-        """Replace the replica gauges with the sums over the live replicas' snapshots."""
+        """Replace the replica gauges with the sums over the live, healthy engine replicas' snapshots."""
         for gauge in (self.running, self.waiting, self.replicas, self.pages_in_use, self.pages_total):
             gauge.clear()
         name = self.model_name
         for snap in snapshots.values():
             role = snap["role"]
+            if role == "ingress" or not snap.get("healthy", True):
+                continue      # an ingress, or a replica with a dead rank (Serve is replacing it)
             self.replicas.labels(name, role).inc()
             self.running.labels(name, role).inc(snap["running"])
             self.waiting.labels(name, role).inc(snap["waiting"])
@@ -135,16 +172,22 @@ class ServiceMetrics:
                 self.pages_in_use.labels(*labels).inc(pool["in_use"])
                 self.pages_total.labels(*labels).inc(pool["total"])
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, snapshots: dict[str, dict], me: str) -> bytes:
+        """The whole page: every ingress's request metrics summed (this one's current, the others' last
+        report) and the replica gauges."""
+        self.load_snapshots(snapshots)
+        texts = [self.own_text()] + [s["metrics"] for r, s in snapshots.items() if s["role"] == "ingress" and r != me]
+        merged = CollectorRegistry()
+        merged.register(_Families(merge_exposition(texts)))
+        return generate_latest(merged) + generate_latest(self.replica_registry)
 
 
-def engine_snapshot(engine, role: str, num_awaiting_transfer: int = 0) -> dict:
+def engine_snapshot(engine, role: str, interval_s: float, num_awaiting_transfer: int = 0) -> dict:
     """What a replica reports (run on its engine thread): batch sizes and pages per pool and owner."""
     kv = engine.kv
     pools = []
     for i, pool in enumerate(kv.pools):
         owners = "+".join(o for o in ("target", "draft") if any(s.owner.value == o for s in pool.specs))
         pools.append({"pool": i, "owner": owners, "in_use": kv.pages_in_use(i), "total": pool.num_pages})
-    return {"role": role, "running": len(engine.scheduler.running),
+    return {"role": role, "healthy": True, "interval_s": interval_s, "running": len(engine.scheduler.running),
             "waiting": len(engine.scheduler.waiting) + num_awaiting_transfer, "pools": pools}

@@ -13,9 +13,10 @@ class APIError(Exception):
     """An error with its HTTP status; rendered as ``{"error": {"message", "type", "param", "code"}}``."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -185,6 +186,19 @@ class ChatCompletionChunk(_Out):
 
 
 MAX_N = 16
+INT64 = (-2 ** 63, 2 ** 63 - 1)
+
+
+def check_text(value, param: str) -> None:
+    """400 naming ``param`` when a string (or a string in a list) cannot be UTF-8 encoded (a lone surrogate)."""
+    items = value if isinstance(value, list) else [value]
+    for item in items:
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise APIError(400, f"{param} is not valid Unicode: an unpaired surrogate at character {e.start}",
+                               param=param) from None
 
 
 def sampling_params(req: _SamplingFields, default_max_tokens: int) -> SamplingParams:
@@ -197,11 +211,14 @@ def sampling_params(req: _SamplingFields, default_max_tokens: int) -> SamplingPa
     if not 1 <= req.n <= MAX_N:
         raise APIError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    check_text(list(stop), "stop")
     checks = [("max_tokens", max_tokens >= 1, f"max_tokens must be >= 1, got {max_tokens}"),
               ("temperature", 0 <= req.temperature <= 2, f"temperature must be in [0, 2], got {req.temperature}"),
               ("top_p", 0 < req.top_p <= 1, f"top_p must be in (0, 1], got {req.top_p}"),
               ("top_k", req.top_k >= -1, f"top_k must be -1, 0 or positive, got {req.top_k}"),
-              ("stop", all(stop) and len(stop) <= 4, "stop must be up to 4 non-empty strings")]
+              ("stop", all(stop) and len(stop) <= 4, "stop must be up to 4 non-empty strings"),
+              ("seed", req.seed is None or INT64[0] <= req.seed <= INT64[1],
+               f"seed must be a 64-bit signed integer, in [{INT64[0]}, {INT64[1]}]")]
     for param, ok, message in checks:
         if not ok:
             raise APIError(400, message, param=param)

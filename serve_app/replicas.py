@@ -8,20 +8,21 @@ import threading
 
 from actors.replica import AggregatedReplica, DecodeReplica, PrefillReplica
 from serve_app.config import ServiceConfig
-from serve_app.metrics import engine_snapshot, get_hub
+from serve_app.metrics import engine_snapshot
 
 log = logging.getLogger(__name__)
 
 
 class _Served:
-    """Mixed into a replica class: the Serve constructor (a ServiceConfig dict) and the metrics reporter."""
+    """Mixed into a replica class: the Serve constructor (a ServiceConfig dict and the application's
+    MetricsHub handle) and the metrics reporter."""
 
-    def __init__(self, service: dict, app_name: str = "dflash"):
+    def __init__(self, service: dict, hub):
         self.service = ServiceConfig.model_validate(service)
         super().__init__(self.service.model.engine_config(), num_threads=self.service.model.num_threads,
                          hold_timeout_s=self.service.hold_timeout_s, transfer_draft_kv=self.service.transfer_draft_kv)
         self._closed = threading.Event()
-        self._hub = get_hub(app_name)
+        self._hub = hub
         self._reporter = threading.Thread(target=self._report, name="metrics-reporter", daemon=True)
         self._reporter.start()
 
@@ -29,7 +30,16 @@ class _Served:
         while not self._closed.wait(self.service.metrics_report_interval_s):
             awaiting = getattr(self, "num_awaiting_transfer", 0)
             try:
-                snap = self.loop.submit(lambda e: engine_snapshot(e, self.role, awaiting)).result(timeout=10)
+                # A replica whose rank died reports itself unhealthy at once: /health turns 503 while Serve's
+                # health check (a few periods) replaces it.
+                interval = self.service.metrics_report_interval_s
+                problems = self.group.health_problems(timeout_s=min(2.0, 4 * interval))
+                if problems:
+                    snap = {"role": self.role, "healthy": False, "interval_s": interval, "running": 0, "waiting": 0,
+                            "pools": []}
+                else:
+                    snap = self.loop.submit(lambda e: engine_snapshot(e, self.role, interval, awaiting)
+                                            ).result(timeout=10)
                 self._hub.report.remote(self.replica_id, snap)
             except Exception:      # a missed report only ages the gauges; keep the replica serving
                 log.exception("metrics report failed")

@@ -1,6 +1,7 @@
 """The OpenAI-compatible service on a local Ray cluster: the disaggregated application over the tiny pair."""
 
 import json
+import re
 import time
 
 import httpx
@@ -231,7 +232,7 @@ def test_chat_schema_violation_is_422(server):
     assert_error(r, 422, "messages")
 
 
-def test_overload_is_503_and_the_admitted_requests_finish(server):
+def test_overload_is_429_with_retry_after_and_the_admitted_requests_finish(server):
     from concurrent.futures import ThreadPoolExecutor
 
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
@@ -239,10 +240,10 @@ def test_overload_is_503_and_the_admitted_requests_finish(server):
         codes = list(pool.map(lambda _: httpx.post(f"{server}/v1/completions", json=body, timeout=120),
                               range(2 * MAX_CONCURRENT)))
     assert sorted(r.status_code for r in codes).count(200) >= 1
-    overloaded = [r for r in codes if r.status_code == 503]
+    overloaded = [r for r in codes if r.status_code == 429]
     assert overloaded, [r.status_code for r in codes]
-    assert assert_error(overloaded[0], 503)["code"] == "overloaded"
-    assert {r.status_code for r in codes} <= {200, 503}
+    assert assert_error(overloaded[0], 429)["code"] == "overloaded" and overloaded[0].headers["retry-after"] == "1"
+    assert {r.status_code for r in codes} <= {200, 429}
     assert_healthy_and_free(server)
 
 
@@ -295,7 +296,7 @@ def test_metrics_parse_and_counters_move_by_the_request(server, client):
 def test_health_and_requests_are_503_until_replicas_are_ready(server, tiny_pair):
     """An app whose engine replica cannot be placed (it asks for a GPU): the ingress is up, no engine is."""
     target, drafter = tiny_pair
-    args = service_args(target, drafter, mode="aggregated", aggregated={"num_gpus": 1}, app_name="cold")
+    args = service_args(target, drafter, mode="aggregated", aggregated={"num_gpus": 1})
     serve._run(build_app(args), _blocking=False, name="cold", route_prefix="/cold")
     try:
         deadline = time.monotonic() + 120
@@ -312,3 +313,212 @@ def test_health_and_requests_are_503_until_replicas_are_ready(server, tiny_pair)
                                 timeout=30), 503)
     finally:
         serve.delete("cold")
+
+
+# --- hostile input, limits and access ------------------------------------------------------------------------
+INTERNALS = re.compile(r"pid=|\b\d+\.\d+\.\d+\.\d+\b|[0-9a-f]{24,}|\x1b\[|Traceback|Error:|prefill-|decode-")
+
+
+@pytest.mark.parametrize("method,path,content,status", [
+    ("GET", "/v1/nothing", None, 404),
+    ("GET", "/v1/completions", None, 405),
+    ("DELETE", "/health", None, 405),
+    ("POST", "/v1/completions", b"{not json", 400),
+    ("GET", "/docs", None, 404),                      # off unless the config enables them
+    ("GET", "/openapi.json", None, 404),
+])
+def test_paths_methods_and_unparsable_bodies_get_openai_shaped_errors(server, method, path, content, status):
+    r = httpx.request(method, f"{server}{path}", content=content, headers={"content-type": "application/json"},
+                      timeout=30)
+    assert_error(r, status)
+
+
+@pytest.mark.parametrize("path,raw,param", [
+    ("/v1/completions", '{"model": "tiny", "prompt": "a\\ud800b"}', "prompt"),
+    ("/v1/completions", '{"model": "tiny", "prompt": ["ok", "\\udfff"]}', "prompt"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "ab", "stop": ["\\ud800"]}', "stop"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}',
+     "messages.0.content"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "ab", "seed": 18446744073709551616}', "seed"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "ab", "temperature": NaN}', "temperature"),
+    ("/v1/completions", '{"model": "tiny", "prompt": [1, 2, 99999999999999999999]}', "prompt"),
+])
+def test_bad_unicode_and_out_of_range_numbers_are_400s_naming_the_field(server, path, raw, param):
+    r = httpx.post(f"{server}{path}", content=raw.encode(), headers={"content-type": "application/json"}, timeout=30)
+    assert not INTERNALS.search(assert_error(r, 400, param)["message"])
+    assert_healthy_and_free(server)
+
+
+def test_a_body_over_the_limit_is_413_whether_its_length_is_declared_or_chunked(server):
+    body = json.dumps({"model": "tiny", "prompt": "a" * (1 << 20)}).encode()
+    assert assert_error(httpx.post(f"{server}/v1/completions", content=body,
+                                   headers={"content-type": "application/json"}, timeout=30), 413)["code"] \
+        == "request_too_large"
+    chunked = httpx.post(f"{server}/v1/completions", content=iter([body[i:i + 65536]
+                                                                    for i in range(0, len(body), 65536)]),
+                         headers={"content-type": "application/json"}, timeout=30)
+    assert "content-length" not in chunked.request.headers
+    assert_error(chunked, 413)
+
+
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(server):
+    """A prompt just under the 1 MiB body limit takes seconds to tokenize: meanwhile the same ingress keeps
+    answering /v1/models (which tokenizing on the event loop would stall for those seconds)."""
+    import threading
+
+    body = {"model": "tiny", "prompt": "a" * 1_040_000}
+    result = {}
+
+    def huge():
+        result["response"] = httpx.post(f"{server}/v1/completions", json=body, timeout=120)
+
+    latencies = []
+    with httpx.Client(timeout=30) as c:
+        c.get(f"{server}/v1/models")
+        t = threading.Thread(target=huge)
+        t.start()
+        while t.is_alive():
+            start = time.perf_counter()
+            assert c.get(f"{server}/v1/models").status_code == 200
+            latencies.append(time.perf_counter() - start)
+        t.join()
+    assert assert_error(result["response"], 400, "prompt")["code"] == "context_length_exceeded"
+    latencies.sort()
+    assert len(latencies) >= 5, latencies              # the huge request really was in flight a while
+    assert latencies[len(latencies) // 2] < 0.1 and latencies[-1] < 0.5, latencies
+
+
+def test_admission_counts_choices_not_requests(server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    too_many = {"model": "tiny", "prompt": ["a", "b"], "n": 2, "max_tokens": 2}         # 4 choices > 3
+    assert_error(httpx.post(f"{server}/v1/completions", json=too_many, timeout=30), 400, "n")
+    body = {"model": "tiny", "prompt": "Hello", "n": 2, "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(2) as pool:       # 2 + 2 choices: one of the two requests is over the limit of 3
+        codes = sorted(r.status_code for r in pool.map(
+            lambda _: httpx.post(f"{server}/v1/completions", json=body, timeout=120), range(2)))
+    assert codes == [200, 429]
+    assert_healthy_and_free(server)
+
+
+def body_strategy():
+    """(path, body): a valid body with up to two fields replaced by hostile values (wrong types, NaN and
+    infinities, huge and negative numbers, lone surrogates, junk), plus unknown extra fields."""
+    from hypothesis import strategies as st
+
+    junk = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=8),
+                     st.lists(st.integers(-3, 200), max_size=4),
+                     st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
+    text = st.one_of(st.text(min_size=1, max_size=12), st.sampled_from(["\ud800", "a\udfffb", "", "\x00", "\u202e"]))
+    big = st.sampled_from([2 ** 31, 2 ** 63, 2 ** 64, -2 ** 63 - 1, 10 ** 30])
+    number = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-3, 3), st.just(1e308))
+    valid = {
+        "model": st.just("tiny"), "max_tokens": st.integers(1, 6), "temperature": st.floats(0, 2),
+        "top_p": st.floats(0.05, 1), "top_k": st.integers(-1, 50), "n": st.integers(1, 3),
+        "seed": st.integers(-2 ** 63, 2 ** 63 - 1), "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2),
+        "stream": st.booleans(), "ignore_eos": st.booleans(),
+    }
+    hostile = {
+        "model": st.one_of(text, junk), "max_tokens": st.one_of(st.integers(-2, 0), big, junk),
+        "temperature": st.one_of(number, junk), "top_p": st.one_of(number, junk),
+        "top_k": st.one_of(st.integers(-5, -2), big, junk), "n": st.one_of(st.integers(-1, 0), st.just(10 ** 6), junk),
+        "seed": st.one_of(big, junk), "stop": st.one_of(text, st.lists(text, max_size=6), junk),
+        "stream": junk, "ignore_eos": junk, "stream_options": st.one_of(st.fixed_dictionaries(
+            {"include_usage": st.booleans()}), junk),
+    }
+    prompt = st.one_of(st.text(min_size=1, max_size=12), st.lists(st.integers(4, 99), min_size=1, max_size=6),
+                       st.lists(st.text(min_size=1, max_size=6), min_size=1, max_size=2))
+    bad_prompt = st.one_of(text, st.lists(st.integers(-5, 120), max_size=6), st.lists(text, max_size=3),
+                           st.lists(st.lists(st.integers(0, 99), max_size=4), max_size=2), big, junk)
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
+                                     "content": st.text(min_size=1, max_size=12)})
+    bad_message = st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "robot"]), junk),
+                                         "content": st.one_of(text, junk)})
+
+    @st.composite
+    def case(draw):
+        chat = draw(st.booleans())
+        body = {name: draw(strategy) for name, strategy in valid.items() if draw(st.booleans())}
+        body["model"] = "tiny"
+        if chat:
+            body["messages"] = draw(st.lists(message, min_size=1, max_size=3))
+            body.setdefault("max_tokens", 4)
+        else:
+            body["prompt"] = draw(prompt)
+        for name in draw(st.lists(st.sampled_from([*hostile, "payload", "extra"]), max_size=2, unique=True)):
+            if name == "payload":
+                body["messages" if chat else "prompt"] = draw(st.one_of(st.lists(bad_message, max_size=3), junk)
+                                                             if chat else bad_prompt)
+            elif name == "extra":
+                body[draw(st.text(min_size=1, max_size=8))] = draw(junk)
+            else:
+                body[name] = draw(hostile[name])
+        return ("/v1/chat/completions" if chat else "/v1/completions"), body
+
+    return case()
+
+
+def test_fuzzed_requests_never_get_a_5xx_and_every_error_has_the_openai_shape(server):
+    """Random bodies around the schema (wrong types, NaN, huge and negative numbers, lone surrogates, junk
+    fields): each answer is a 2xx or a 4xx with OpenAI's error shape naming nothing internal; pages return."""
+    from hypothesis import HealthCheck, given, settings
+
+    seen: set[int] = set()
+
+    @settings(max_examples=120, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(body_strategy())
+    def check(case):
+        path, body = case
+        r = httpx.post(f"{server}{path}", content=json.dumps(body).encode(),
+                       headers={"content-type": "application/json"}, timeout=60)
+        seen.add(r.status_code)
+        assert r.status_code < 500, (body, r.text)
+        if r.status_code >= 400:
+            error = assert_error(r, r.status_code)
+            assert not INTERNALS.search(error["message"]), error
+        elif r.headers["content-type"].startswith("text/event-stream"):
+            events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]" and not any(e.startswith('{"error"') for e in events), r.text
+
+    check()
+    assert {200, 400, 422} <= seen, seen                # the strategy reaches accepted and refused bodies alike
+    assert_healthy_and_free(server)
+
+
+def test_api_key_guards_v1_and_docs_turn_on_only_when_asked(server, tiny_pair, monkeypatch):
+    """An app whose engine cannot be placed (it asks for a GPU): the ingress alone answers, behind a key."""
+    from serve_app.config import parse_service_config
+    from serve_app.ingress import api_key
+
+    target, drafter = tiny_pair
+    args = service_args(target, drafter, mode="aggregated", aggregated={"num_gpus": 1},
+                        api_key="sesame", enable_docs=True)
+    serve._run(build_app(args), _blocking=False, name="locked", route_prefix="/locked")
+    try:
+        url = f"{server}/locked"
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{url}/health", timeout=10).status_code == 404:    # the proxy: no such app yet
+            assert time.monotonic() < deadline
+            time.sleep(0.3)
+        body = {"model": "tiny", "prompt": "hi"}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
+            error = assert_error(httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=30), 401)
+            assert error["code"] == "invalid_api_key" and "sesame" not in error["message"]
+        assert_error(httpx.get(f"{url}/v1/models", timeout=30), 401)
+        keyed = {"Authorization": "Bearer sesame"}
+        assert httpx.get(f"{url}/v1/models", headers=keyed, timeout=30).status_code == 200
+        # Past the key: the request reaches admission (no engine replica is up: 503).
+        assert_error(httpx.post(f"{url}/v1/completions", json=body, headers=keyed, timeout=30), 503)
+        assert_error(httpx.get(f"{url}/health", timeout=30), 503)          # /health needs no key
+        assert "/v1/completions" in httpx.get(f"{url}/openapi.json", timeout=30).json()["paths"]
+        assert httpx.get(f"{url}/docs", timeout=30).status_code == 200
+    finally:
+        serve.delete("locked")
+    assert httpx.get(f"{server}/v1/models", timeout=30).status_code == 200       # the main app stays open
+    monkeypatch.setenv("DFLASH_API_KEY", "from-env")
+    assert api_key(parse_service_config({})) == "from-env"
+    assert api_key(parse_service_config({"api_key": "from-config"})) == "from-config"
+    monkeypatch.delenv("DFLASH_API_KEY")
+    assert api_key(parse_service_config({})) is None
+

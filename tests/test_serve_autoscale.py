@@ -24,7 +24,7 @@ def server(ray_cluster, tmp_path_factory):
     target, drafter = write_tiny_pair(tmp_path_factory.mktemp("autoscale_pair"))
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(service_args(target, drafter, decode={"autoscaling": FAST}, app_name="scaled")),
+    serve.run(build_app(service_args(target, drafter, decode={"autoscaling": FAST})),
               name="scaled", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url)

@@ -22,9 +22,9 @@ APPS = {"agg": {"mode": "aggregated"}, "disagg": {"mode": "disaggregated"},
         "ablate": {"mode": "disaggregated", "transfer_draft_kv": False}}
 
 
-def demo_args(name: str, overrides: dict) -> dict:
+def demo_args(overrides: dict) -> dict:
     engine = {"num_cpus": 0.25}
-    return {"app_name": f"demo-{name}", "model": {"served_model_name": "demo", "num_pages": 128},
+    return {"model": {"served_model_name": "demo", "num_pages": 128},
             "ingress": {"num_replicas": 1, "num_cpus": 0.1}, "aggregated": dict(engine), "prefill": dict(engine),
             "decode": dict(engine), "metrics_report_interval_s": 0.2, **overrides}
 
@@ -35,7 +35,7 @@ def demo_service(ray_cluster):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
     for name, overrides in APPS.items():
-        serve._run(build_app(demo_args(name, overrides)), _blocking=False, name=name, route_prefix=f"/{name}")
+        serve._run(build_app(demo_args(overrides)), _blocking=False, name=name, route_prefix=f"/{name}")
     for name in APPS:
         wait_healthy(f"{url}/{name}", timeout_s=240)
     yield url

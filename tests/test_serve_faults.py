@@ -1,0 +1,186 @@
+"""Faults on the disaggregated service (with two ingress replicas, whose /metrics must agree): SIGKILL of the real processes (decode replica, which hosts its rank-0
+worker; decode KV manager; prefill replica; prefill KV manager). Each time: the request in flight ends (with
+an OpenAI-shaped error event that names nothing internal, or its full output), /health turns 503 until the
+role has a healthy replica again, a new request succeeds within 30 s, and no page stays in use."""
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.ray
+
+from ray import serve  # noqa: E402
+
+from serve_app.app import build_app  # noqa: E402
+from tests.test_serve_support import free_port, metric_samples, metric_sum, service_args, wait_healthy  # noqa: E402
+
+RECOVERY_S = 30.0
+# What a client must never see: process ids, addresses, actor ids, ANSI escapes, tracebacks, Ray's class names.
+INTERNALS = re.compile(r"pid=|\b\d+\.\d+\.\d+\.\d+\b|[0-9a-f]{24,}|\x1b\[|Traceback|Ray[A-Za-z]*Error|ActorDied|"
+                       r"prefill-[0-9a-f]{8}|decode-[0-9a-f]{8}")
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, tmp_path_factory):
+    from tests.test_serve_support import write_tiny_pair
+
+    target, drafter = write_tiny_pair(tmp_path_factory.mktemp("faults_pair"))
+    fast_checks = {"health_check_period_s": 1.0, "health_check_timeout_s": 5.0}
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(service_args(target, drafter, prefill=fast_checks, decode=fast_checks, hold_timeout_s=15.0,
+                                     ingress={"num_replicas": 2})), name="dflash", route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url)
+    yield url
+    serve.shutdown()
+
+
+def alive_actor(role: str, kind: str) -> tuple[str, int]:
+    """(name, pid) of the live actor of ``role`` ("prefill"/"decode") and ``kind`` ("replica"/"kv_manager").
+
+    Serve names its replica actors ``SERVE_REPLICA::<app>#<deployment>#<id>``; KV managers are named
+    ``<role>-<id>-rank<r>``."""
+    import ray
+
+    server_class = {"prefill": "PrefillServer", "decode": "DecodeServer"}[role]
+    found = []
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        name = actor["name"]
+        if (name.startswith("SERVE_REPLICA::") and f"#{server_class}#" in name) if kind == "replica" else \
+                re.fullmatch(rf"{role}-[0-9a-f]{{8}}-rank0", name):
+            handle = ray.get_actor(name, namespace=actor["namespace"])
+            try:
+                found.append((name, ray.get(handle.__ray_call__.remote(lambda self: os.getpid()), timeout=10)))
+            except ray.exceptions.RayError:     # a dead one still listed, or one being stopped
+                pass
+    assert len(found) == 1, found
+    return found[0]
+
+
+def stream_events(url: str, max_tokens: int, started: threading.Event, out: dict) -> None:
+    """A long streaming completion; ``out`` gets its data events and how it ended."""
+    body = {"model": "tiny", "prompt": "a", "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    events = out.setdefault("events", [])
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            out["status"] = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) >= 3:      # past the prefill's early first token: decoding
+                        started.set()
+    except httpx.HTTPError as e:
+        out["transport_error"] = repr(e)
+    finally:
+        out["ended"] = time.monotonic()
+        started.set()
+
+
+def check_ending(out: dict, must_fail: bool) -> None:
+    assert "transport_error" not in out, out
+    assert out["status"] == 200 and out["events"][-1] == "[DONE]", out
+    errors = [json.loads(e) for e in out["events"][:-1] if e.startswith('{"error"')]
+    if must_fail:
+        assert errors, "the stream of a killed decode replica ended without an error event"
+    for e in errors:
+        assert set(e["error"]) == {"message", "type", "param", "code"}
+        assert not INTERNALS.search(e["error"]["message"]), e
+    if not errors:
+        finished = [json.loads(e)["choices"][0]["finish_reason"] for e in out["events"][:-1]]
+        assert finished[-1] == "length", out
+
+
+def pages_in_use(url: str) -> float:
+    return metric_sum(metric_samples(httpx.get(f"{url}/metrics", timeout=30).text), "dflash_kv_pages_in_use")
+
+
+def test_metrics_of_any_ingress_count_the_requests_of_every_ingress(server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def finished(text: str) -> float:
+        return metric_sum(metric_samples(text), "dflash_request_success_total")
+
+    before = finished(httpx.get(f"{server}/metrics", timeout=30).text)
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    with ThreadPoolExecutor(8) as pool:
+        assert {r.status_code for r in pool.map(lambda _: httpx.post(f"{server}/v1/completions", json=body,
+                                                                      timeout=60), range(16))} == {200}
+    time.sleep(1.0)       # every ingress has reported since (every 0.2 s)
+    per_ingress = [finished(s["metrics"]) for s in serve.get_deployment_handle("MetricsHub", "dflash")
+                   .snapshots.remote().result().values() if s["role"] == "ingress"]
+    assert len(per_ingress) == 2 and sum(per_ingress) == before + 16
+    assert min(per_ingress) > 0, per_ingress      # both served some: one ingress's page alone would be short
+    for _ in range(6):     # whichever ingress answers the scrape
+        assert finished(httpx.get(f"{server}/metrics", timeout=30).text) == before + 16
+
+
+@pytest.mark.parametrize("role,kind", [("decode", "replica"), ("decode", "kv_manager"), ("prefill", "replica"),
+                                       ("prefill", "kv_manager")])
+def test_killed_process_is_replaced_and_service_recovers(server, role, kind):
+    wait_healthy(server)
+    victim = alive_actor(role, kind)
+    # Two long streams, decoding when the process dies (480 tokens take seconds here).
+    outs, threads = [], []
+    for _ in range(2):
+        started, out = threading.Event(), {}
+        t = threading.Thread(target=stream_events, args=(server, 480, started, out), daemon=True)
+        t.start()
+        assert started.wait(60)
+        outs.append(out)
+        threads.append(t)
+    os.kill(victim[1], signal.SIGKILL)
+    killed = time.monotonic()
+
+    # /health says so while the role has no healthy replica; requests succeed again within RECOVERY_S.
+    health: list[tuple[float, int, dict]] = []
+    polling = threading.Event()
+
+    def poll_health():
+        while not polling.is_set():
+            r = httpx.get(f"{server}/health", timeout=10)
+            health.append((time.monotonic() - killed, r.status_code, r.json()))
+            time.sleep(0.1)
+
+    poller = threading.Thread(target=poll_health, daemon=True)
+    poller.start()
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    try:
+        while True:
+            assert time.monotonic() - killed < RECOVERY_S, f"no request succeeded within {RECOVERY_S:.0f} s"
+            r = httpx.post(f"{server}/v1/completions", json=body, timeout=RECOVERY_S)
+            if r.status_code == 200:
+                assert r.json()["usage"]["completion_tokens"] == 4
+                break
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+            assert not INTERNALS.search(r.json()["error"]["message"]), r.text
+            time.sleep(0.25)
+        wait_healthy(server, timeout_s=RECOVERY_S - (time.monotonic() - killed))
+    finally:
+        polling.set()
+        poller.join()
+    down = [body for _, status, body in health if status == 503]
+    assert down, f"/health kept answering 200 while a role had no healthy replica: {health[:3]}"
+    assert all(b["error"]["code"] == "unavailable" and role in b["error"]["message"] for b in down), down
+
+    for t, out in zip(threads, outs):
+        t.join(60)
+        assert not t.is_alive(), "a request in flight hangs after the kill"
+        check_ending(out, must_fail=(role, kind) == ("decode", "replica"))
+
+    # A fresh replica replaced the victim, and nothing leaked on the side that survived.
+    assert alive_actor(role, kind) != victim
+    deadline = time.monotonic() + 20
+    while pages_in_use(server) != 0:
+        assert time.monotonic() < deadline, "pages stayed in use after the kill"
+        time.sleep(0.3)
+    samples = metric_samples(httpx.get(f"{server}/metrics", timeout=30).text)
+    assert metric_sum(samples, "dflash_num_replicas", role="prefill") == 1
+    assert metric_sum(samples, "dflash_num_replicas", role="decode") == 1
