@@ -24,7 +24,7 @@ from actors.nixl_transfer import TransferError
 from actors.worker import RankGroup
 from engine.llm import EngineConfig
 from engine.llm_engine import RequestOutput
-from engine.sequence import SamplingParams, SpecStats
+from engine.sequence import SamplingParams, SpecStats, TokenLogprob
 
 log = logging.getLogger(__name__)
 RESERVE_RETRY_S = 0.02
@@ -34,6 +34,8 @@ def token_chunk(out: RequestOutput, **extra) -> dict:
     chunk = {"type": "tokens", "token_ids": list(out.new_token_ids), "text": out.text_delta,
              "finished": out.finished, "finish_reason": out.finish_reason,
              "num_cached_tokens": out.num_cached_tokens, **extra}
+    if out.new_logprobs is not None:
+        chunk["logprobs"] = list(out.new_logprobs)       # TokenLogprob per token of token_ids
     if out.finished:
         chunk["spec"] = dataclasses.asdict(out.spec)
     return chunk
@@ -48,6 +50,8 @@ def merge_chunks(first: dict, later: dict) -> dict:
     merged = {**first, **later}
     merged["token_ids"] = first["token_ids"] + later["token_ids"]
     merged["text"] = first["text"] + later["text"]
+    if "logprobs" in first or "logprobs" in later:
+        merged["logprobs"] = first.get("logprobs", []) + later.get("logprobs", [])
     return merged
 
 
@@ -67,11 +71,15 @@ class Ticket:
     first_text: str | None = None  # the first token's text as the decode side will emit it (None: not sent early)
     num_cached_tokens: int = 0     # prompt tokens the prefill took from its prefix cache
     prefill_s: float = 0.0
+    first_logprob: TokenLogprob | None = None    # the first token's entry, when params.logprobs is set
 
     def first_chunk(self) -> dict:
         """The first token as a chunk, sent while the KV moves (only when ``first_text`` is not None)."""
-        return {"type": "tokens", "token_ids": [self.first_token], "text": self.first_text, "finished": False,
-                "finish_reason": None, "num_cached_tokens": self.num_cached_tokens}
+        chunk = {"type": "tokens", "token_ids": [self.first_token], "text": self.first_text, "finished": False,
+                 "finish_reason": None, "num_cached_tokens": self.num_cached_tokens}
+        if self.first_logprob is not None:
+            chunk["logprobs"] = [self.first_logprob]
+        return chunk
 
     def after_first(self, chunk: dict) -> dict:
         """The decode side's first chunk without the first token already sent by ``first_chunk``."""
@@ -79,8 +87,11 @@ class Ticket:
             raise RuntimeError(f"request {self.request_id}: the decode side's first output "
                                f"({chunk['token_ids'][:1]}, {chunk['text'][:16]!r}) differs from the prefill's "
                                f"({self.first_token}, {self.first_text!r})")
-        return {**chunk, "token_ids": chunk["token_ids"][1:], "text": chunk["text"][len(self.first_text):],
+        rest = {**chunk, "token_ids": chunk["token_ids"][1:], "text": chunk["text"][len(self.first_text):],
                 "num_cached_tokens": self.num_cached_tokens}
+        if "logprobs" in chunk:
+            rest["logprobs"] = chunk["logprobs"][1:]
+        return rest
 
     def cancel(self) -> None:
         """Give the held pages back now (the request will not be decoded). Safe to call from a request that
@@ -244,6 +255,8 @@ class PrefillReplica(EngineReplica):
                 settled = True
                 chunk = token_chunk(out)
                 chunk["token_ids"], chunk["text"] = list(out.token_ids), out.text
+                if out.logprobs is not None:
+                    chunk["logprobs"] = list(out.logprobs)
                 return {"chunk": chunk}
             num_pages = -(-len(prompt_token_ids) // self.engine.kv.page_size)
             first = out.token_ids[0]
@@ -257,7 +270,7 @@ class PrefillReplica(EngineReplica):
                                      list(self.group.kv_managers),
                                      [self.group.agent_name(i) for i in range(len(leases))],
                                      list(self.group.rank_infos), first_text, out.num_cached_tokens,
-                                     time.perf_counter() - start)}
+                                     time.perf_counter() - start, out.logprobs[0] if out.logprobs else None)}
         finally:
             self.loop.close_stream(request_id)
             if not settled:
@@ -294,7 +307,7 @@ class DecodeReplica(EngineReplica):
 
         def reserve(e):
             if e.reserve_transfer(ticket.prompt_token_ids, ticket.first_token, ticket.params,
-                                  request_id=ticket.request_id) is None:
+                                  request_id=ticket.request_id, first_logprob=ticket.first_logprob) is None:
                 return None
             return [e.kv.block_table(ticket.request_id, s)[:num_pages] for s in range(len(e.kv.pools))]
 
@@ -396,13 +409,17 @@ async def collect(request_id: str, prompt_token_ids: list[int], chunks: AsyncIte
     """A whole chunk stream as one RequestOutput (raises ChunkError on an error chunk)."""
     token_ids: list[int] = []
     text = ""
+    logprobs: list[TokenLogprob] | None = None
     last: dict = {}
     async for chunk in chunks:
         if chunk["type"] == "error":
             raise ChunkError(chunk)
         token_ids += chunk["token_ids"]
         text += chunk["text"]
+        if "logprobs" in chunk:
+            logprobs = (logprobs or []) + chunk["logprobs"]
         last = chunk
     spec = SpecStats(**last["spec"]) if last.get("spec") else SpecStats()
     return RequestOutput(request_id, list(prompt_token_ids), token_ids, text, True, last.get("finish_reason"),
-                         last.get("num_cached_tokens", 0), spec, token_ids, text_delta=text)
+                         last.get("num_cached_tokens", 0), spec, token_ids, text_delta=text, logprobs=logprobs,
+                         new_logprobs=logprobs)

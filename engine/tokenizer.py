@@ -40,6 +40,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text on its own (special tokens included), as logprobs report it."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

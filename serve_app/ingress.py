@@ -29,13 +29,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.sequence import SamplingParams
+from engine.sequence import SamplingParams, TokenLogprob
 from serve_app.config import ServiceConfig
 from serve_app.metrics import ServiceMetrics
 from serve_app.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                ChatCompletionRequest, ChatCompletionResponse, ChatDelta, CompletionChoice,
-                                CompletionChunk, CompletionRequest, CompletionResponse, PromptTokensDetails,
-                                SpecDecodeUsage, Usage, check_text, render_chat, sampling_params)
+                                ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
+                                ChatTokenLogprob, CompletionChoice, CompletionChunk, CompletionLogprobs,
+                                CompletionRequest, CompletionResponse, PromptTokensDetails, SpecDecodeUsage,
+                                TopLogprob, Usage, check_text, render_chat, sampling_params)
 from serve_app.router import Router
 
 log = logging.getLogger("dflash.ingress")
@@ -205,17 +206,21 @@ def _lower_priority() -> None:
 class Choice:
     """One choice's stream: chunks from the router, text deltas, and the timings the metrics need."""
 
-    def __init__(self, index: int, request_id: str, prompt_ids: list[int], params: SamplingParams, router: Router):
+    def __init__(self, index: int, request_id: str, prompt_ids: list[int], params: SamplingParams, router: Router,
+                 echo: str = ""):
         self.index, self.request_id, self.prompt_ids, self.params = index, request_id, prompt_ids, params
         self.gen = router.stream(request_id, prompt_ids, params)
         self.start = time.perf_counter()
         self.ttft: float | None = None
         self.last_token_time: float | None = None
         self.token_gaps: list[float] = []   # seconds between chunks that carried tokens (inter-token latency)
-        self.text = ""                  # the text so far: the replicas send only final text (stop strings cut)
+        self.text = echo                # the text so far: the replicas send only final text (stop strings cut)
         self.sent = 0                   # characters of it already sent
         self.token_ids: list[int] = []
         self.ids_sent = 0               # token ids already sent (streams with return_token_ids)
+        self.logprobs: list[TokenLogprob] = []    # per token, when params.logprobs is set
+        self.logprobs_sent = 0
+        self.text_offset = len(echo)    # where the next logprobs token begins in the text (completions)
         self.finish_reason: str | None = None
         self.spec: dict | None = None
         self.num_cached_tokens = 0
@@ -245,6 +250,7 @@ class Choice:
             self.last_token_time = now
         self.token_ids += chunk["token_ids"]
         self.text += chunk["text"]
+        self.logprobs += chunk.get("logprobs", ())
         # The prefill side's count (the decode side's request reuses nothing: its KV arrived by READ).
         self.num_cached_tokens = max(self.num_cached_tokens, chunk.get("num_cached_tokens", 0))
         if chunk["finished"]:
@@ -395,7 +401,7 @@ class Ingress:
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
         self._check_model(body.model)
-        params = sampling_params(body, default_max_tokens=16)
+        params = sampling_params(body, default_max_tokens=16, vocab_size=self.vocab_size)
         prompt = body.prompt
         batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
         await self._check_ready()
@@ -404,23 +410,30 @@ class Ingress:
             prompts = await self._offload(lambda: [self._encode(p, "prompt") for p in batch])
             for ids in prompts:
                 self._check_context(ids, params, "prompt")
+            echoes = None
+            if body.echo:
+                if self.tokenizer is None:
+                    raise APIError(400, "this model has no tokenizer; echo needs one", param="echo")
+                echoes = [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(batch, prompts)]
         except BaseException:
             self.inflight -= len(batch) * body.n
             raise
-        return await self._serve(body, prompts, params, chat=False)
+        return await self._serve(body, prompts, params, chat=False, echoes=echoes)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
         self._check_model(body.model)
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer; chat needs one", param="messages")
-        sampling_params(body, default_max_tokens=1)        # bad values are refused before any work
+        # Bad values are refused before any work (the default max_tokens depends on the prompt: its bound here).
+        sampling_params(body, default_max_tokens=self.max_model_len, vocab_size=self.vocab_size)
         await self._check_ready()
         self._admit(body.n, "n")
         try:
             ids = await self._offload(lambda: self._encode(self._render(body.messages), "messages"))
             explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-            params = sampling_params(body, default_max_tokens=max(1, self.max_model_len - len(ids)))
+            params = sampling_params(body, default_max_tokens=max(1, self.max_model_len - len(ids)),
+                                     vocab_size=self.vocab_size)
             self._check_context(ids, params, "messages" if explicit is None else "max_tokens")
         except BaseException:
             self.inflight -= body.n
@@ -435,8 +448,10 @@ class Ingress:
         return render_chat(messages, self.tokenizer.chat_template, special)
 
     # --- responses ----------------------------------------------------------------------------------
-    async def _serve(self, body, prompts: list[list[int]], params: SamplingParams, chat: bool):
-        """Stream or collect every choice; the choices were admitted by the caller, ``_finish`` releases them."""
+    async def _serve(self, body, prompts: list[list[int]], params: SamplingParams, chat: bool,
+                     echoes: list[str] | None = None):
+        """Stream or collect every choice; the choices were admitted by the caller, ``_finish`` releases them.
+        ``echoes``: per prompt, the text each of its choices begins with (completions with ``echo``)."""
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
         choices = []
         for p, ids in enumerate(prompts):
@@ -445,7 +460,8 @@ class Ingress:
                 choice_params = params if params.seed is None or j == 0 else \
                     dataclasses.replace(params, seed=params.seed + j)
                 index = p * body.n + j
-                choices.append(Choice(index, f"{request_id}-{index}", ids, choice_params, self.router))
+                choices.append(Choice(index, f"{request_id}-{index}", ids, choice_params, self.router,
+                                      echoes[p] if echoes else ""))
         handed_off = False
         try:
             firsts = await asyncio.gather(*(c.next() for c in choices))
@@ -498,12 +514,41 @@ class Ingress:
         if chat:
             response = ChatCompletionResponse(**common, choices=[
                 ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
-                           token_ids=ids(c)) for c in choices])
+                           token_ids=ids(c), logprobs=self._logprobs(c, chat)) for c in choices])
         else:
             response = CompletionResponse(**common, choices=[
-                CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason, token_ids=ids(c))
-                for c in choices])
+                CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason, token_ids=ids(c),
+                                 logprobs=self._logprobs(c, chat)) for c in choices])
         return response.model_dump(mode="json")
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.token_text(token_id) if self.tokenizer is not None else f"token_id:{token_id}"
+
+    def _logprobs(self, c: Choice, chat: bool) -> CompletionLogprobs | ChatLogprobs | None:
+        """The logprobs of the choice's tokens not reported yet, in the endpoint's shape (None: not asked for)."""
+        if c.params.logprobs is None:
+            return None
+        entries = c.logprobs[c.logprobs_sent:]
+        c.logprobs_sent = len(c.logprobs)
+        text = self._token_text
+        if chat:
+            return ChatLogprobs(content=[ChatTokenLogprob(
+                token=text(e.token_id), logprob=e.logprob, bytes=list(text(e.token_id).encode()),
+                top_logprobs=[TopLogprob(token=text(t), logprob=v, bytes=list(text(t).encode())) for t, v in e.top])
+                for e in entries])
+        tokens = [text(e.token_id) for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(c.text_offset)
+            c.text_offset += len(token)
+        tops = []
+        for e in entries:
+            top: dict[str, float] = {}
+            for t, v in e.top:           # best first: where two tokens share a text, the key keeps the better
+                top.setdefault(text(t), v)
+            tops.append(top)
+        return CompletionLogprobs(tokens=tokens, token_logprobs=[e.logprob for e in entries], top_logprobs=tops,
+                                  text_offset=offsets)
 
     def _event(self, body, request_id: str, chat: bool, choices: list, usage: Usage | None = None) -> bytes:
         cls = ChatCompletionChunk if chat else CompletionChunk
@@ -518,10 +563,11 @@ class Ingress:
         if token_ids:
             ids = c.token_ids[c.ids_sent:]
             c.ids_sent = len(c.token_ids)
+        logprobs = self._logprobs(c, chat)
         if chat:
             delta = ChatDelta(role="assistant", content=text) if first else ChatDelta(content=text or None)
-            return ChatChunkChoice(index=c.index, delta=delta, finish_reason=finish, token_ids=ids)
-        return CompletionChoice(index=c.index, text=text, finish_reason=finish, token_ids=ids)
+            return ChatChunkChoice(index=c.index, delta=delta, finish_reason=finish, token_ids=ids, logprobs=logprobs)
+        return CompletionChoice(index=c.index, text=text, finish_reason=finish, token_ids=ids, logprobs=logprobs)
 
     async def _sse(self, body, request_id: str, choices: list[Choice], firsts: list[dict | None], chat: bool):
         """SSE events from every choice as its chunks arrive; a disconnect cancels and aborts them all."""
@@ -551,7 +597,7 @@ class Ingress:
                     yield format_sse_event(data_str=json.dumps(_from_chunk(chunk, request_id).body()))
                     continue
                 text = c.delta()
-                if text or c.done:
+                if text or c.done or len(c.logprobs) > c.logprobs_sent:
                     yield self._event(body, request_id, chat,
                                       [self._choice_event(c, chat, text, False, body.return_token_ids)])
             if body.include_usage:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
@@ -28,7 +28,8 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    # Unknown OpenAI fields (user, logprobs, ...) are ignored rather than refused, as clients send them.
+    # Unknown fields are ignored, as OpenAI does; known ones this server does not implement are declared
+    # below and refused by name (``refuse_unsupported``) rather than ignored.
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
     model: str
@@ -43,6 +44,13 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False        # extra: each choice also carries its generated token ids
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0       # extra (vLLM)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0                   # extra (vLLM)
+    stop_token_ids: list[int] | None = None              # extra (vLLM)
+    include_stop_str_in_output: bool = False             # extra (vLLM)
 
     @property
     def include_usage(self) -> bool:
@@ -52,6 +60,11 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    # Declared to be refused by name: accepted only at their no-op values.
+    suffix: str | None = None
+    best_of: int | None = None
 
 
 class TextPart(BaseModel):
@@ -71,6 +84,17 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    # Declared to be refused by name: accepted only at their no-op values.
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
 
 
 # --- responses ---------------------------------------------------------------------------------------
@@ -109,11 +133,37 @@ class Usage(_Out):
     spec_decode: SpecDecodeUsage
 
 
+class CompletionLogprobs(_Out):
+    """The legacy completions shape: per token its text, log-probability, top alternatives and offset."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Out):
+    content: list[ChatTokenLogprob]
+
+
 class CompletionChoice(_Out):
     _omit_if_none = ("token_ids",)
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
     token_ids: list[int] | None = None
 
@@ -127,7 +177,7 @@ class ChatChoice(_Out):
     _omit_if_none = ("token_ids",)
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
     token_ids: list[int] | None = None
 
@@ -142,7 +192,7 @@ class ChatChunkChoice(_Out):
     _omit_if_none = ("token_ids",)
     index: int
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
     token_ids: list[int] | None = None
 
@@ -201,8 +251,44 @@ def check_text(value, param: str) -> None:
                                param=param) from None
 
 
-def sampling_params(req: _SamplingFields, default_max_tokens: int) -> SamplingParams:
+def refuse_unsupported(req: _SamplingFields) -> None:
+    """400 naming the field for a known OpenAI parameter this server does not implement (never ignored)."""
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    if isinstance(req, CompletionRequest):
+        refused = [("suffix", bool(req.suffix), "suffix (insertion) is not supported"),
+                   ("best_of", req.best_of not in (None, 1), "best_of > 1 is not supported; use n"),
+                   ("echo", req.echo and req.logprobs is not None,
+                    "echo with logprobs needs the prompt's log-probabilities, which this server does not compute")]
+    else:
+        kind = (req.response_format or {}).get("type", "text")
+        refused = [("response_format", kind != "text", f"response_format {kind!r} is not supported (only text)"),
+                   ("tools", bool(req.tools), "tools (function calling) are not supported"),
+                   ("tool_choice", req.tool_choice not in (None, "none", "auto") or (req.tool_choice == "auto"
+                                                                                    and bool(req.tools)),
+                    "tool_choice is not supported (function calling is not)"),
+                   ("functions", bool(req.functions), "functions (function calling) are not supported"),
+                   ("function_call", req.function_call not in (None, "none"), "function_call is not supported"),
+                   ("prediction", req.prediction is not None, "prediction (predicted outputs) is not supported"),
+                   ("audio", req.audio is not None, "audio output is not supported"),
+                   ("modalities", req.modalities not in (None, ["text"]), "only the text modality is supported"),
+                   ("top_logprobs", req.top_logprobs is not None and not req.logprobs,
+                    "top_logprobs needs logprobs: true")]
+    for param, bad, message in refused:
+        if bad:
+            raise APIError(400, message, param=param)
+
+
+def requested_logprobs(req: _SamplingFields) -> int | None:
+    """How many alternatives per token the client asked for, or None for no logprobs."""
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
+
+
+def sampling_params(req: _SamplingFields, default_max_tokens: int, vocab_size: int) -> SamplingParams:
     """The engine's SamplingParams; an invalid value raises a 400 APIError naming its field."""
+    refuse_unsupported(req)
     max_tokens = req.max_tokens
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens
@@ -212,18 +298,40 @@ def sampling_params(req: _SamplingFields, default_max_tokens: int) -> SamplingPa
         raise APIError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     check_text(list(stop), "stop")
+    bias: dict[int, float] = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}",
+                           param="logit_bias")
+        bias[int(key)] = value
+    stop_ids = list(req.stop_token_ids or ())
     checks = [("max_tokens", max_tokens >= 1, f"max_tokens must be >= 1, got {max_tokens}"),
               ("temperature", 0 <= req.temperature <= 2, f"temperature must be in [0, 2], got {req.temperature}"),
               ("top_p", 0 < req.top_p <= 1, f"top_p must be in (0, 1], got {req.top_p}"),
               ("top_k", req.top_k >= -1, f"top_k must be -1, 0 or positive, got {req.top_k}"),
               ("stop", all(stop) and len(stop) <= 4, "stop must be up to 4 non-empty strings"),
               ("seed", req.seed is None or INT64[0] <= req.seed <= INT64[1],
-               f"seed must be a 64-bit signed integer, in [{INT64[0]}, {INT64[1]}]")]
+               f"seed must be a 64-bit signed integer, in [{INT64[0]}, {INT64[1]}]"),
+              ("stop_token_ids", all(0 <= t < vocab_size for t in stop_ids),
+               f"stop_token_ids must be token ids in [0, {vocab_size})"),
+              ("min_tokens", req.min_tokens <= max_tokens,
+               f"min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens})")]
     for param, ok, message in checks:
         if not ok:
             raise APIError(400, message, param=param)
-    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                          top_k=max(req.top_k, 0), seed=req.seed, stop=stop, ignore_eos=req.ignore_eos)
+    logprobs = requested_logprobs(req)
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
+            seed=req.seed, stop=stop, ignore_eos=req.ignore_eos, logprobs=logprobs, stop_token_ids=tuple(stop_ids),
+            include_stop_str_in_output=req.include_stop_str_in_output, min_tokens=req.min_tokens,
+            logit_bias=bias, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty)
+    except ValueError as e:        # the engine's own checks; each message begins with the field's name
+        field = str(e).split()[0]
+        param = {"logprobs": "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"}.get(
+            field, field if field in type(req).model_fields else None)
+        raise APIError(400, str(e), param=param) from None
 
 
 def render_chat(messages: list[ChatMessage], template: str | None, special: dict[str, str]) -> str:

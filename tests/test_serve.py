@@ -425,6 +425,15 @@ def body_strategy():
         "seed": st.one_of(big, junk), "stop": st.one_of(text, st.lists(text, max_size=6), junk),
         "stream": junk, "ignore_eos": junk, "stream_options": st.one_of(st.fixed_dictionaries(
             {"include_usage": st.booleans()}), junk),
+        "logprobs": st.one_of(st.integers(-2, 25), st.booleans(), junk), "top_logprobs": st.one_of(st.integers(-2, 25), junk),
+        "echo": st.one_of(st.booleans(), junk), "best_of": st.one_of(st.integers(-1, 3), junk),
+        "logit_bias": st.one_of(st.dictionaries(st.one_of(st.text(max_size=4), st.integers(-5, 200).map(str)),
+                                                number, max_size=3), junk),
+        "presence_penalty": st.one_of(number, junk), "repetition_penalty": st.one_of(number, junk),
+        "min_tokens": st.one_of(st.integers(-2, 8), big, junk),
+        "stop_token_ids": st.one_of(st.lists(st.integers(-2, 200), max_size=3), junk),
+        "include_stop_str_in_output": junk, "response_format": st.one_of(st.fixed_dictionaries(
+            {"type": st.sampled_from(["text", "json_object"])}), junk), "tools": junk,
     }
     prompt = st.one_of(st.text(min_size=1, max_size=12), st.lists(st.integers(4, 99), min_size=1, max_size=6),
                        st.lists(st.text(min_size=1, max_size=6), min_size=1, max_size=2))
@@ -522,3 +531,140 @@ def test_api_key_guards_v1_and_docs_turn_on_only_when_asked(server, tiny_pair, m
     monkeypatch.delenv("DFLASH_API_KEY")
     assert api_key(parse_service_config({})) is None
 
+
+
+# --- OpenAI sampling parameters: against the target-only engine -------------------------------------------
+@pytest.fixture(scope="module")
+def target_only(tiny_pair):
+    from engine import LLM
+
+    return LLM(tiny_pair[0], num_pages=64, max_num_batched_tokens=CHUNK)
+
+
+def completion(server, **body) -> dict:
+    r = httpx.post(f"{server}/v1/completions", json={"model": "tiny", "temperature": 0, **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream_completion(server, **body) -> list[dict]:
+    with httpx.stream("POST", f"{server}/v1/completions", json={"model": "tiny", "temperature": 0, "stream": True,
+                                                                 **body}, timeout=60) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_completion_logprobs_equal_target_only_decoding_also_streamed(server, target_only):
+    """The drafter proposes, the target's verification forward gives the numbers: the same as target-only."""
+    prompt = "The quick brown fox"
+    ref = target_only.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3))[0]
+    body = completion(server, prompt=prompt, max_tokens=12, ignore_eos=True, logprobs=3, return_token_ids=True)
+    choice = body["choices"][0]
+    assert body["usage"]["spec_decode"]["num_drafts"] > 0 and choice["token_ids"] == ref.token_ids
+    lp = choice["logprobs"]
+    assert lp["token_logprobs"] == pytest.approx([e.logprob for e in ref.logprobs], abs=1e-5)
+    assert len(lp["tokens"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 12
+    assert "".join(lp["tokens"]) == choice["text"] and lp["text_offset"][0] == 0
+    text = target_only.tokenizer.token_text
+    for top, entry in zip(lp["top_logprobs"], ref.logprobs):
+        # Keyed by token text as OpenAI does: ids with the same text (ids past the tokenizer's) share a key.
+        assert set(top) == {text(t) for t, _ in entry.top} and len(entry.top) == 3
+        for token, value in top.items():
+            assert value == pytest.approx(max(v for t, v in entry.top if text(t) == token), abs=1e-5)
+    events = stream_completion(server, prompt=prompt, max_tokens=12, ignore_eos=True, logprobs=3)
+    streamed = [v for e in events for c in e["choices"] if c["logprobs"] for v in c["logprobs"]["token_logprobs"]]
+    assert streamed == pytest.approx(lp["token_logprobs"], abs=1e-6)
+
+
+def test_chat_logprobs_and_top_logprobs(server, target_only):
+    rendered = "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
+    ref = target_only.generate([rendered], SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2))[0]
+    r = httpx.post(f"{server}/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 6, "temperature": 0,
+        "ignore_eos": True, "logprobs": True, "top_logprobs": 2}, timeout=60)
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == pytest.approx([e.logprob for e in ref.logprobs], abs=1e-5)
+    assert all(len(c["top_logprobs"]) == 2 and c["bytes"] == list(c["token"].encode()) for c in content)
+    assert "".join(c["token"] for c in content) == r.json()["choices"][0]["message"]["content"]
+    plain = httpx.post(f"{server}/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, timeout=60)
+    assert plain.json()["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("options", [
+    {"presence_penalty": 1.5}, {"frequency_penalty": 0.8}, {"repetition_penalty": 1.6},
+    {"logit_bias": {"40": 100}}, {"logit_bias": {"40": 6.5, "41": -100}, "frequency_penalty": -0.5},
+], ids=["presence", "frequency", "repetition", "bias", "bias+negative-frequency"])
+def test_penalties_and_bias_give_the_target_only_output(server, target_only, options):
+    prompt = "abcabcabc"
+    params = {k: v for k, v in options.items() if k != "logit_bias"}
+    bias = {int(k): v for k, v in options.get("logit_bias", {}).items()}
+    ref = target_only.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True, logit_bias=bias, **params))[0]
+    plain = target_only.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    assert ref.token_ids != plain.token_ids            # the option matters on this prompt
+    body = completion(server, prompt=prompt, max_tokens=16, ignore_eos=True, return_token_ids=True, **options)
+    assert body["choices"][0]["token_ids"] == ref.token_ids and body["choices"][0]["text"] == ref.text
+
+
+def test_stop_token_ids_min_tokens_and_include_stop_str(server, target_only):
+    prompt = "Hello world"
+    free = target_only.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    stop_id = free.token_ids[2]
+    j = free.token_ids.index(stop_id)
+    body = completion(server, prompt=prompt, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_id],
+                      return_token_ids=True)
+    assert body["choices"][0]["finish_reason"] == "stop" and body["choices"][0]["token_ids"] == free.token_ids[:j + 1]
+    ref = target_only.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=(stop_id,),
+                                                        min_tokens=j + 1))[0]
+    assert len(ref.token_ids) > j + 1
+    body = completion(server, prompt=prompt, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_id],
+                      min_tokens=j + 1, return_token_ids=True)
+    assert body["choices"][0]["token_ids"] == ref.token_ids
+    stop = free.text[4:6]
+    for include in (False, True):
+        body = completion(server, prompt=prompt, max_tokens=12, ignore_eos=True, stop=[stop],
+                          include_stop_str_in_output=include)
+        expected = free.text[:free.text.index(stop)] + (stop if include else "")
+        assert (body["choices"][0]["text"], body["choices"][0]["finish_reason"]) == (expected, "stop")
+
+
+def test_echo_prepends_the_prompt(server, target_only):
+    free = target_only.generate(["Hello"], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    body = completion(server, prompt="Hello", max_tokens=5, ignore_eos=True, echo=True)
+    assert body["choices"][0]["text"] == "Hello" + free.text
+    events = stream_completion(server, prompt=[44, 73, 80], max_tokens=5, ignore_eos=True, echo=True)
+    assert "".join(c["text"] for e in events for c in e["choices"]).startswith(target_only.tokenizer.decode([44, 73, 80]))
+
+
+@pytest.mark.parametrize("path,extra,param", [
+    ("/v1/completions", {"best_of": 2}, "best_of"),
+    ("/v1/completions", {"suffix": "end"}, "suffix"),
+    ("/v1/completions", {"echo": True, "logprobs": 1}, "echo"),
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"99999": 1}}, "logit_bias"),
+    ("/v1/completions", {"stop_token_ids": [99999]}, "stop_token_ids"),
+    ("/v1/completions", {"presence_penalty": 3}, "presence_penalty"),
+    ("/v1/completions", {"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+])
+def test_unimplemented_or_bad_parameters_are_refused_by_name(server, path, extra, param):
+    body = {"model": "tiny", "max_tokens": 2, **extra}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
+    assert_error(httpx.post(f"{server}{path}", json=body, timeout=30), 400, param)
+
+
+def test_unknown_fields_and_harmless_defaults_stay_accepted(server):
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "user": "u1", "some_vendor_field": {"x": 1},
+            "best_of": 1, "suffix": None, "echo": False}
+    assert httpx.post(f"{server}/v1/completions", json=body, timeout=30).status_code == 200
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "response_format": {"type": "text"}, "tool_choice": "none", "tools": [], "logprobs": False}
+    assert httpx.post(f"{server}/v1/chat/completions", json=chat, timeout=30).status_code == 200
