@@ -13,8 +13,8 @@ the replica through ``wait_released``, a call that returns when there are some.
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
-import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -29,6 +29,8 @@ from kv.spec import KVLayerSpec
 
 log = logging.getLogger(__name__)
 READ_DEADLINE_MARGIN_S = 5.0
+HOLD_ARRIVAL_S = 5.0          # how long a READ waits for a hold its ticket overtook
+EARLY_CANCEL_TTL_S = 120.0
 
 
 class LeaseState(enum.Enum):
@@ -62,7 +64,10 @@ class KVManagerActor:
         self.read_delay_s = read_delay_s       # > 0 only in tests: holds each READ open (a slow transfer)
         self.endpoint: NixlEndpoint | None = None
         self._leases: dict[str, Lease] = {}
-        self._lease_ids = itertools.count()
+        self._arrivals: dict[str, asyncio.Event] = {}           # begin_read waiting for its hold
+        self._early_cancels: dict[str, asyncio.TimerHandle] = {}  # cancels that came before their hold
+        self._released_leases: collections.deque[str] = collections.deque(maxlen=4096)
+        self._peer_managers: dict[str, object] = {}            # peer agent -> its KV manager (decode side)
         self._released: list[str] = []
         self._released_event = asyncio.Event()
         self.counts = {"read": 0, "timed_out": 0, "cancelled": 0, "refused": 0}
@@ -87,20 +92,37 @@ class KVManagerActor:
         return self.endpoint.rank_info.to_json()
 
     # --- peers ----------------------------------------------------------------------------------
-    def register_peer(self, payload: str) -> str:
-        """Check and add a peer (raises PeerMismatchError naming both values); returns its agent name."""
-        return self.endpoint.add_peer(payload)
+    def register_peer(self, payload: str, peer_kv_manager=None) -> str:
+        """Check and add a peer (raises PeerMismatchError naming both values); returns its agent name. A peer
+        this rank will READ from comes with its KV manager's handle (for the lease calls)."""
+        agent = self.endpoint.add_peer(payload)
+        if peer_kv_manager is not None:
+            self._peer_managers[agent] = peer_kv_manager
+        return agent
 
     # --- prefill side: leases on held pages ------------------------------------------------------
-    async def hold(self, request_id: str, timeout_s: float | None = None) -> str:
-        """Hold a finished prefill's pages for a peer; returns the lease id the peer's READ must present."""
-        lease_id = f"{request_id}#{next(self._lease_ids)}"
+    async def hold(self, request_id: str, lease_id: str, timeout_s: float | None = None) -> str:
+        """Hold a finished prefill's pages for a peer under ``lease_id`` (chosen by the replica, so it need not
+        wait for this call: a ``begin_read`` that arrives first waits for it)."""
         timer = asyncio.get_running_loop().call_later(timeout_s or self.hold_timeout_s, self._expire, lease_id)
         self._leases[lease_id] = Lease(request_id, LeaseState.HELD, timer)
+        arrived = self._arrivals.pop(lease_id, None)
+        if arrived is not None:
+            arrived.set()
+        if self._early_cancels.pop(lease_id, None) is not None:
+            self._release(lease_id, "cancelled")
         return lease_id
 
     async def begin_read(self, lease_id: str, read_timeout_s: float | None = None) -> bool:
         """A peer is about to READ this lease's pages: True while it is held (then it cannot expire)."""
+        if lease_id not in self._leases and lease_id not in self._early_cancels and \
+                lease_id not in self._released_leases:
+            # The replica sends the hold and the ticket at once: the ticket's READ may overtake the hold.
+            arrived = self._arrivals.setdefault(lease_id, asyncio.Event())
+            try:
+                await asyncio.wait_for(arrived.wait(), HOLD_ARRIVAL_S)
+            except asyncio.TimeoutError:
+                self._arrivals.pop(lease_id, None)
         lease = self._leases.get(lease_id)
         if lease is None or lease.state != LeaseState.HELD:
             self.counts["refused"] += 1
@@ -121,9 +143,15 @@ class KVManagerActor:
             self._release(lease_id, "cancelled" if lease.cancel_after_read else "read")
 
     async def cancel(self, lease_id: str) -> bool:
-        """Give up a lease: freed now if held, after the READ if one is running."""
+        """Give up a lease: freed now if held, after the READ if one is running, at once on arrival if its
+        hold has not arrived yet."""
         lease = self._leases.get(lease_id)
         if lease is None:
+            if lease_id not in self._released_leases:
+                # Remembered a while: a hold that never comes (its replica died) must not pin memory.
+                loop = asyncio.get_running_loop()
+                self._early_cancels[lease_id] = loop.call_later(EARLY_CANCEL_TTL_S, self._early_cancels.pop,
+                                                                lease_id, None)
             return False
         if lease.state == LeaseState.READING:
             lease.cancel_after_read = True
@@ -141,6 +169,7 @@ class KVManagerActor:
     def _release(self, lease_id: str, reason: str) -> None:
         lease = self._leases.pop(lease_id)
         lease.timer.cancel()
+        self._released_leases.append(lease_id)
         self.counts[reason] += 1
         self._released.append(lease.request_id)
         self._released_event.set()
@@ -159,13 +188,14 @@ class KVManagerActor:
                 **self.counts}
 
     # --- decode side: READ ----------------------------------------------------------------------
-    async def read(self, lease_id: str, peer_kv_manager, peer_name: str, remote_tables: list[list[int]],
+    async def read(self, lease_id: str, peer_name: str, remote_tables: list[list[int]],
                    local_tables: list[list[int]], transfer_draft_kv: bool = True, timeout_s: float = 10.0) -> dict:
-        """READ one request's pages from the peer under its lease; returns stats or raises TransferError.
-
-        Returns or raises only once the READ can no longer write into ``local_tables``.
-        """
+        """READ one request's pages from the registered peer under its lease; returns stats or raises
+        TransferError. Returns or raises only once the READ can no longer write into ``local_tables``."""
         start = time.perf_counter()
+        peer_kv_manager = self._peer_managers.get(peer_name)
+        if peer_kv_manager is None:
+            raise TransferError(f"{peer_name} was not registered with its KV manager")
         if not await peer_kv_manager.begin_read.remote(lease_id, timeout_s):
             raise TransferError(f"the prefill hold {lease_id} at {peer_name} expired or was cancelled before "
                                 "its READ")

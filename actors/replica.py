@@ -17,11 +17,12 @@ import dataclasses
 import logging
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from actors.nixl_transfer import TransferError
-from actors.worker import RankGroup
+from actors.worker import KV_MANAGER_NAMESPACE, RankGroup
 from engine.llm import EngineConfig
 from engine.llm_engine import RequestOutput
 from engine.sequence import SamplingParams, SpecStats, TokenLogprob
@@ -65,8 +66,7 @@ class Ticket:
     first_token: int
     tables: list[list[int]]        # per space: the prefill pages of the prompt (the same ids on every rank)
     leases: list[str]              # per prefill rank: the lease its KV manager holds the pages under
-    kv_managers: list[Any]         # per prefill rank: its KVManagerActor handle
-    peer_agents: list[str]         # per prefill rank: its NIXL agent
+    peer_agents: list[str]         # per prefill rank: its NIXL agent, also its KVManagerActor's name
     rank_infos: list[str]          # per prefill rank: its RankInfo JSON
     first_text: str | None = None  # the first token's text as the decode side will emit it (None: not sent early)
     num_cached_tokens: int = 0     # prompt tokens the prefill took from its prefix cache
@@ -96,8 +96,24 @@ class Ticket:
     def cancel(self) -> None:
         """Give the held pages back now (the request will not be decoded). Safe to call from a request that
         is being cancelled."""
-        for kvm, lease in zip(self.kv_managers, self.leases):
-            detached(kvm.cancel.remote, lease)
+        for agent, lease in zip(self.peer_agents, self.leases):
+            try:
+                detached(kv_manager(agent).cancel.remote, lease)
+            except ValueError:      # that KV manager is gone, and its pages with it
+                pass
+
+
+_kv_managers: dict[str, Any] = {}
+
+
+def kv_manager(agent: str):
+    """The KVManagerActor named ``agent`` (looked up once per process: tickets carry names, not handles,
+    because a handle in a reply costs a registration with its owner)."""
+    import ray
+
+    if agent not in _kv_managers:
+        _kv_managers[agent] = ray.get_actor(agent, namespace=KV_MANAGER_NAMESPACE)
+    return _kv_managers[agent]
 
 
 def detached(fn, *args):
@@ -263,11 +279,12 @@ class PrefillReplica(EngineReplica):
             tables, first_text = await self.loop.call(lambda e: (
                 [e.kv.block_table(request_id, s)[:num_pages] for s in range(len(e.kv.pools))],
                 e.first_text_delta(prompt_token_ids, params, first)))
-            leases = await asyncio.gather(*(kvm.hold.remote(request_id, self.hold_timeout_s)
-                                            for kvm in self.group.kv_managers))
+            # Sent, not awaited: the ticket goes out now, and a READ that overtakes the hold waits for it.
+            leases = [f"{request_id}#{uuid.uuid4().hex[:8]}" for _ in self.group.kv_managers]
+            for kvm, lease in zip(self.group.kv_managers, leases):
+                detached(kvm.hold.remote, request_id, lease, self.hold_timeout_s)
             settled = True
-            return {"ticket": Ticket(request_id, list(prompt_token_ids), params, first, tables, list(leases),
-                                     list(self.group.kv_managers),
+            return {"ticket": Ticket(request_id, list(prompt_token_ids), params, first, tables, leases,
                                      [self.group.agent_name(i) for i in range(len(leases))],
                                      list(self.group.rank_infos), first_text, out.num_cached_tokens,
                                      time.perf_counter() - start, out.logprobs[0] if out.logprobs else None)}
@@ -298,8 +315,9 @@ class DecodeReplica(EngineReplica):
             raise ValueError(f"the prefill replica has {len(ticket.rank_infos)} ranks, this decode replica "
                              f"{len(self.group.kv_managers)}")
         # PeerMismatchError (page size, layer counts, dtypes) propagates: the request fails, naming both values.
-        await asyncio.gather(*(kvm.register_peer.remote(info)
-                               for kvm, info in zip(self.group.kv_managers, ticket.rank_infos)))
+        peers = await asyncio.to_thread(lambda: [kv_manager(agent) for agent in ticket.peer_agents])
+        await asyncio.gather(*(kvm.register_peer.remote(info, peer)
+                               for kvm, info, peer in zip(self.group.kv_managers, ticket.rank_infos, peers)))
         self._peers.add(ticket.peer_agents[0])
 
     async def _reserve(self, ticket: Ticket) -> list[list[int]] | None:
@@ -357,10 +375,9 @@ class DecodeReplica(EngineReplica):
         error: BaseException | None = None
         try:
             reads = await asyncio.gather(*(
-                kvm.read.remote(lease, peer, agent, ticket.tables, tables, self.transfer_draft_kv,
-                                self.read_timeout_s)
-                for kvm, lease, peer, agent in zip(self.group.kv_managers, ticket.leases, ticket.kv_managers,
-                                                   ticket.peer_agents)), return_exceptions=True)
+                kvm.read.remote(lease, agent, ticket.tables, tables, self.transfer_draft_kv, self.read_timeout_s)
+                for kvm, lease, agent in zip(self.group.kv_managers, ticket.leases, ticket.peer_agents)),
+                return_exceptions=True)
             error = next((r for r in reads if isinstance(r, BaseException)), None)
             if error is None:
                 stats.update(bytes=sum(r["bytes"] for r in reads), seconds=max(r["seconds"] for r in reads),

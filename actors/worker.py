@@ -19,6 +19,7 @@ from engine.llm import EngineConfig
 from kv.spec import LayerOwner
 
 HEALTH_PING_TIMEOUT_S = 5.0
+KV_MANAGER_NAMESPACE = "dflash"     # KV manager actors are named by their NIXL agent, here
 
 
 def build_engine(config: EngineConfig, allocate=None):
@@ -84,7 +85,7 @@ class RankGroup:
             gpu = torch.device(config.device).type == "cuda"
             for tp_rank in range(tp_size):
                 self.kv_managers.append(ray.remote(KVManagerActor).options(
-                    name=self.agent_name(tp_rank), num_cpus=0, num_gpus=0.1 if gpu else 0, scheduling_strategy=_beside_me(), max_restarts=0,
+                    name=self.agent_name(tp_rank), namespace=KV_MANAGER_NAMESPACE, num_cpus=0, num_gpus=0.1 if gpu else 0, scheduling_strategy=_beside_me(), max_restarts=0,
                 ).remote(self.agent_name(tp_rank), device=config.device, tp_size=tp_size, tp_rank=tp_rank,
                          hold_timeout_s=hold_timeout_s, num_threads=num_threads, read_delay_s=read_delay_s))
         self.workers = [RankWorker(config, self.kv_managers[0] if transfers else None, num_threads=num_threads,

@@ -107,7 +107,7 @@ def bandwidth(num_pages: int, repeats: int) -> dict:
         managers.append(kvm)
     src, dst = managers
     ray.get([src.fill.remote(1), dst.fill.remote(0)])
-    src_agent = ray.get(dst.register_peer.remote(infos[0]))
+    src_agent = ray.get(dst.register_peer.remote(infos[0], src))
     assert src_agent == json.loads(infos[0])["agent_name"]
     stride = probe.bytes_per_page
     a = ObjectStorePeer.remote(total_pages * stride, stride)
@@ -127,10 +127,10 @@ def bandwidth(num_pages: int, repeats: int) -> dict:
         # under it: one begin_read call to the source (lease_seconds), then the NIXL READ (seconds).
         read_s, lease_s, call_s, descriptors = [], [], [], set()
         for i in range(repeats + 1):
-            lease = ray.get(src.hold.remote(f"bench-{pattern}-{lease_ids}", 60.0))
+            lease = ray.get(src.hold.remote(f"bench-{pattern}-{lease_ids}", f"lease-{lease_ids}", 60.0))
             lease_ids += 1
             t0 = time.perf_counter()
-            stats = ray.get(dst.read.remote(lease, src, src_agent, remote, local, True, 60.0))
+            stats = ray.get(dst.read.remote(lease, src_agent, remote, local, True, 60.0))
             call_s.append(time.perf_counter() - t0)
             assert stats["bytes"] == nbytes, stats
             read_s.append(stats["seconds"])

@@ -315,3 +315,21 @@ def test_demo_ablation_lowers_acceptance_and_stays_lossless(demo):
         return sum(sum(o.acceptance_lengths) for o in outputs) / drafts
 
     assert mean_al(ablated) < mean_al(agg) - 0.05
+
+
+def test_a_read_may_overtake_its_hold_and_a_cancel_may_too(tiny):
+    """The prefill replica sends the hold and returns the ticket without waiting: the decode side's
+    begin_read can arrive first (it waits for the hold), and so can a cancel (the hold is freed on arrival)."""
+    kvm = ray.get(tiny.prefill.handle.kv_managers.remote())[0]
+    before = ray.get(kvm.hold_stats.remote())
+    early_read = kvm.begin_read.remote("overtaken#1", 10.0)
+    time.sleep(0.3)
+    ray.get(kvm.hold.remote("never-prefilled-a", "overtaken#1", 30.0))
+    assert ray.get(early_read) is True
+    ray.get(kvm.end_read.remote("overtaken#1"))
+    assert ray.get(kvm.cancel.remote("cancelled-first#1")) is False        # its hold has not arrived
+    ray.get(kvm.hold.remote("never-prefilled-b", "cancelled-first#1", 30.0))
+    after = ray.get(kvm.hold_stats.remote())
+    assert (after["held"], after["reading"]) == (0, 0)
+    assert (after["read"], after["cancelled"]) == (before["read"] + 1, before["cancelled"] + 1)
+    assert ray.get(kvm.begin_read.remote("cancelled-first#1", 10.0)) is False    # released: refused at once
