@@ -53,7 +53,8 @@ class Timings:
 
 
 class ReplicaActor:
-    """A replica started as a Ray actor in a placement group of its own (with its GPU on a GPU cluster)."""
+    """A replica started as a Ray actor in a placement group of its own: one node, and on a GPU cluster one
+    bundle with a GPU per tensor-parallel rank (``tp_size`` is passed on to the replica)."""
 
     def __init__(self, cls, config: EngineConfig, *, num_cpus: float = 0.25, **kwargs):
         import ray
@@ -61,7 +62,10 @@ class ReplicaActor:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         gpu = torch.device(config.device).type == "cuda"
-        self.pg = placement_group([{"CPU": num_cpus, **({"GPU": 1} if gpu else {})}], strategy="STRICT_PACK")
+        bundles = [{"CPU": num_cpus, **({"GPU": 1} if gpu else {})}]
+        if gpu:
+            bundles += [{"GPU": 1}] * (kwargs.get("tp_size", 1) - 1)
+        self.pg = placement_group(bundles, strategy="STRICT_PACK")
         ray.get(self.pg.ready())
         self.handle = ray.remote(cls).options(
             num_cpus=num_cpus, num_gpus=0.9 if gpu else 0, max_concurrency=1000,
@@ -113,21 +117,28 @@ async def _single(chunk: dict):
 
 
 def generate_offline(mode: str, engine_kwargs: dict, prompts: Sequence[str | Sequence[int]],
-                     params: SamplingParams, *, transfer_draft_kv: bool = True) -> list[RequestOutput]:
-    """Outputs of ``prompts`` from one aggregated replica, or one prefill and one decode replica."""
+                     params: SamplingParams, *, transfer_draft_kv: bool = True, tp_size: int = 1
+                     ) -> list[RequestOutput]:
+    """Outputs of ``prompts`` from one aggregated replica, or one prefill and one decode replica, each with
+    ``tp_size`` tensor-parallel ranks (disaggregated: TP 1 only, for now)."""
     import ray
 
     from actors.replica import AggregatedReplica, DecodeReplica, PrefillReplica
+    from actors.worker import check_tensor_parallel
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     config = EngineConfig(**engine_kwargs)
+    check_tensor_parallel(config, tp_size)          # before Ray starts: a bad TP size fails at once
+    if mode == "disagg" and tp_size > 1:
+        raise NotImplementedError(f"--mode disagg with --tp {tp_size}: disaggregated tensor parallelism needs the "
+                                  "heterogeneous KV transfer (per-rank kv-head slices), not implemented yet")
     requests = [(f"req-{i}", ids, params) for i, ids in enumerate(encode_prompts(config.model, prompts))]
     started = ensure_ray()
     replicas = []
     try:
         if mode == "agg":
-            replicas.append(ReplicaActor(AggregatedReplica, config))
+            replicas.append(ReplicaActor(AggregatedReplica, config, tp_size=tp_size))
             return ray.get(replicas[0].handle.generate_all.remote(requests))
         replicas.append(ReplicaActor(PrefillReplica, config))
         replicas.append(ReplicaActor(DecodeReplica, config, transfer_draft_kv=transfer_draft_kv))

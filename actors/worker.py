@@ -1,13 +1,16 @@
 """Per rank: the model shard and its engine, over the pool segments the rank's KV manager created.
 
 A replica drives its ranks: rank 0's worker lives in the replica's own process (its engine thread streams
-tokens to the replica's event loop with no hop in between); further ranks of a tensor-parallel group would
-be Ray actors placed beside their KV managers. TP=1 today.
+tokens to the replica's event loop with no hop in between and owns the scheduler); ranks > 0 of a
+tensor-parallel group are Ray actors on the replica's node (its placement group) that run, in a thread of
+their own, each forward rank 0 broadcasts over the group's process group (``engine.parallel``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import socket
+import threading
 import uuid
 from collections.abc import Sequence
 
@@ -15,36 +18,76 @@ import torch
 
 from actors.engine_loop import EngineLoop
 from actors.memory import map_segment
+from engine.checkpoint import Qwen3Config, read_config
 from engine.llm import EngineConfig
+from engine.parallel import TensorParallel, check_tp_size
 from kv.spec import LayerOwner
 
 HEALTH_PING_TIMEOUT_S = 5.0
 KV_MANAGER_NAMESPACE = "dflash"     # KV manager actors are named by their NIXL agent, here
 
 
-def build_engine(config: EngineConfig, allocate=None):
+def build_engine(config: EngineConfig, allocate=None, tp: TensorParallel | None = None):
     from spec_decode import build_engine as build      # the engine with its DFlash drafter, when configured
 
-    return build(config, allocate)
+    return build(config, allocate, tp)
+
+
+def check_tensor_parallel(config: EngineConfig, tp_size: int) -> None:
+    """Refuse, before any rank starts, a TP size that does not split the target's (or drafter's) heads."""
+    if tp_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp_size}")
+    if tp_size == 1:
+        return
+    c = Qwen3Config.from_dict(read_config(config.model), f"{config.model}/config.json")
+    check_tp_size(tp_size, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads,
+                  intermediate=c.intermediate_size, who=f"the target model {config.model}")
+    if config.draft is not None:
+        d = read_config(config.draft)
+        heads = d.get("num_attention_heads", 0)
+        check_tp_size(tp_size, heads=heads, kv_heads=d.get("num_key_value_heads", heads),
+                      intermediate=d.get("intermediate_size", 0), who=f"the DFlash drafter {config.draft}")
 
 
 class RankWorker:
-    """One rank's engine and the thread that steps it."""
+    """One rank's engine: rank 0 steps it in an engine loop thread; a rank > 0 follows rank 0's forwards."""
 
     def __init__(self, config: EngineConfig, kv_manager=None, *, num_threads: int = 1, tp_size: int = 1,
-                 tp_rank: int = 0):
+                 tp_rank: int = 0, tp_address: tuple[str, int] | None = None):
         import ray
 
-        if tp_size != 1:
-            raise NotImplementedError(f"tensor parallelism {tp_size} is not implemented: the engine runs TP=1")
         torch.set_num_threads(num_threads)
         self.config = config
+        self.tp_rank = tp_rank
         allocate = None
         if kv_manager is not None:
             # Every pool buffer is a segment the KV manager created; the engine sees plain tensors over it.
             allocate = lambda n: map_segment(ray.get(kv_manager.create_segment.remote(n)))  # noqa: E731
-        self.engine = build_engine(config, allocate)
-        self.loop = EngineLoop(self.engine)
+        tp = TensorParallel.connect(tp_rank, tp_size, *tp_address, device=config.device) if tp_size > 1 else None
+        self.engine = build_engine(config, allocate, tp)
+        self.loop: EngineLoop | None = None
+        self._follower: threading.Thread | None = None
+        self.follow_error: BaseException | None = None
+        if tp_rank == 0:
+            self.loop = EngineLoop(self.engine)
+        else:
+            self._follower = threading.Thread(target=self._follow, name=f"rank{tp_rank}-follow", daemon=True)
+            self._follower.start()
+
+    def _follow(self) -> None:
+        try:
+            self.engine.follow()
+        except BaseException as e:      # reported by the health check: rank 0 cannot step without this rank
+            self.follow_error = e
+
+    def ready(self) -> None:
+        """Returns once the rank is built (a remote rank's constructor has run)."""
+
+    def problem(self) -> str | None:
+        """Why this rank > 0 cannot serve any more (None while it follows rank 0)."""
+        if self._follower is not None and not self._follower.is_alive():
+            return f"stopped following rank 0 ({self.follow_error!r})"
+        return None
 
     def pool_specs(self) -> tuple[list, int, list[int]]:
         """What the KV manager needs to mirror the pools: layer specs per space, page size, pages per space."""
@@ -61,8 +104,14 @@ class RankWorker:
                 digest.update(flat[offset:offset + length].cpu().numpy().tobytes())
         return digest.hexdigest()
 
+    def pages_in_use(self) -> int:
+        return self.engine.kv.pages_in_use()
+
     def shutdown(self) -> None:
-        self.loop.shutdown()
+        """Stop stepping (rank 0). Ranks > 0 are not released with a message: a step may still be running, and
+        they end with their actors (``RankGroup.shutdown`` kills them)."""
+        if self.loop is not None:
+            self.loop.shutdown()
 
 
 class RankGroup:
@@ -78,18 +127,41 @@ class RankGroup:
 
         from actors.kv_manager import KVManagerActor
 
+        check_tensor_parallel(config, tp_size)
+        if transfers and tp_size > 1:
+            raise NotImplementedError(
+                f"a {role} replica with tensor_parallel_size {tp_size}: disaggregated tensor parallelism needs the "
+                "heterogeneous KV transfer (each rank READs its kv-head slice of the peer ranks' pages, prefill TP "
+                "-> decode TP), which is not implemented yet; run TP > 1 aggregated, or disaggregated with TP 1")
         self.name = f"{role}-{uuid.uuid4().hex[:8]}"
         self.kv_managers = []
         self.rank_infos: list[str] = []
+        self.remote_ranks: list = []        # RankWorker actors of ranks 1..tp_size-1
         if transfers:
             gpu = torch.device(config.device).type == "cuda"
             for tp_rank in range(tp_size):
                 self.kv_managers.append(ray.remote(KVManagerActor).options(
-                    name=self.agent_name(tp_rank), namespace=KV_MANAGER_NAMESPACE, num_cpus=0, num_gpus=0.1 if gpu else 0, scheduling_strategy=_beside_me(), max_restarts=0,
+                    name=self.agent_name(tp_rank), namespace=KV_MANAGER_NAMESPACE, num_cpus=0, num_gpus=0.1 if gpu else 0, scheduling_strategy=_beside_me(tp_rank), max_restarts=0,
                 ).remote(self.agent_name(tp_rank), device=config.device, tp_size=tp_size, tp_rank=tp_rank,
                          hold_timeout_s=hold_timeout_s, num_threads=num_threads, read_delay_s=read_delay_s))
-        self.workers = [RankWorker(config, self.kv_managers[0] if transfers else None, num_threads=num_threads,
-                                   tp_size=tp_size)]
+        address = None
+        if tp_size > 1:
+            address = _free_address()
+            gpu = torch.device(config.device).type == "cuda"
+            for tp_rank in range(1, tp_size):
+                self.remote_ranks.append(ray.remote(RankWorker).options(
+                    num_cpus=0, num_gpus=0.9 if gpu else 0, scheduling_strategy=_beside_me(tp_rank), max_restarts=0,
+                ).remote(config, self.kv_managers[tp_rank] if transfers else None, num_threads=num_threads,
+                         tp_size=tp_size, tp_rank=tp_rank, tp_address=address))
+        try:
+            # Under TP this joins the process group (every rank must be starting) and loads rank 0's shard.
+            self.workers = [RankWorker(config, self.kv_managers[0] if transfers else None, num_threads=num_threads,
+                                       tp_size=tp_size, tp_address=address)]
+            ray.get([rank.ready.remote() for rank in self.remote_ranks])
+        except BaseException:
+            for rank in self.remote_ranks:
+                ray.kill(rank)
+            raise
         if transfers:
             specs, page_size, num_pages = self.workers[0].pool_specs()
             self.rank_infos = ray.get([kvm.attach.remote(specs, page_size, num_pages) for kvm in self.kv_managers])
@@ -108,18 +180,36 @@ class RankGroup:
 
         problems = [f"rank {r}: the engine loop has stopped" for r, w in enumerate(self.workers) if not w.loop.alive]
         pings = [kvm.ping.remote() for kvm in self.kv_managers]
+        followers = [rank.problem.remote() for rank in self.remote_ranks]
         for rank, ping in enumerate(pings):
             try:
                 ray.get(ping, timeout=timeout_s)
             except Exception as e:
                 problems.append(f"rank {rank}: its KV manager does not answer ({type(e).__name__})")
+        for rank, ref in enumerate(followers, start=1):
+            try:
+                problem = ray.get(ref, timeout=timeout_s)
+            except Exception as e:
+                problem = f"its worker does not answer ({type(e).__name__})"
+            if problem:
+                problems.append(f"rank {rank}: {problem}")
         return problems
+
+    def pages_in_use_per_rank(self) -> list[int]:
+        """Pages in use on every rank's pool (ranks > 0 allocate none: rank 0's block tables drive them)."""
+        import ray
+
+        return [self.worker.loop.submit(lambda e: e.kv.pages_in_use()).result(timeout=30)] + \
+            ray.get([rank.pages_in_use.remote() for rank in self.remote_ranks])
 
     def shutdown(self) -> None:
         import ray
 
         for worker in self.workers:
             worker.shutdown()
+        for rank in self.remote_ranks:
+            # Killed, not told to stop: a rank > 0 waits for rank 0's next message, which never comes.
+            ray.kill(rank)
         for kvm in self.kv_managers:
             try:
                 ray.get(kvm.close.remote(), timeout=10)
@@ -128,13 +218,24 @@ class RankGroup:
             ray.kill(kvm)
 
 
-def _beside_me():
-    """A scheduling strategy for an actor that must share memory with this process."""
+def _beside_me(tp_rank: int = 0):
+    """A scheduling strategy for a rank's actor: on this process's node, in the placement group's bundle of
+    ``tp_rank`` (one GPU per rank), or its last bundle when the group has fewer bundles."""
     import ray
     from ray.util import get_current_placement_group
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
     pg = get_current_placement_group()
     if pg is not None:
-        return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+        return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=min(tp_rank, pg.bundle_count - 1))
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def _free_address() -> tuple[str, int]:
+    """This node's address and a free TCP port on it: where rank 0 hosts the group's rendezvous store."""
+    import ray
+
+    host = ray.util.get_node_ip_address()
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return host, s.getsockname()[1]

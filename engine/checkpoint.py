@@ -108,14 +108,29 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def load_tensors(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 strip_prefix: str = "") -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint, cast to ``dtype`` on ``device``, with ``strip_prefix`` removed from names."""
+                 strip_prefix: str = "", shard=None) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, cast to ``dtype`` on ``device``, with ``strip_prefix`` removed from names.
+
+    ``shard(name)`` (an ``engine.parallel.ShardPlan.shard``) names the slice a tensor-parallel rank reads; only
+    that slice is read from the file.
+    """
     tensors = {}
     for file in safetensors_files(Path(model_dir)):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 key = name.removeprefix(strip_prefix)
-                tensors[key] = f.get_tensor(name).to(device=device, dtype=dtype)
+                part = shard(key) if shard is not None else None
+                if part is None:
+                    tensor = f.get_tensor(name)
+                else:
+                    index = [slice(None)] * len(f.get_slice(name).get_shape())
+                    index[part.dim] = slice(part.start, part.end)
+                    tensor = f.get_slice(name)[tuple(index)]
+                    if part.end - part.start < part.size:      # the last vocab shard: zero rows up to equal size
+                        pad = list(tensor.shape)
+                        pad[part.dim] = part.size - (part.end - part.start)
+                        tensor = torch.cat([tensor, tensor.new_zeros(pad)], dim=part.dim)
+                tensors[key] = tensor.to(device=device, dtype=dtype)
     return tensors
 
 

@@ -16,6 +16,7 @@ import torch
 from engine.checkpoint import CheckpointError
 from engine.llm_engine import LLMEngine, RequestOutput, Speculator
 from engine.model import Qwen3Model
+from engine.parallel import TensorParallel
 from engine.sequence import SamplingParams
 from engine.tokenizer import Tokenizer
 from kv.layout import KVLayout, LayoutConfig, decide_layout, split_budget
@@ -95,16 +96,16 @@ def _require_speculator(config: EngineConfig, speculator: SpeculatorFactory | No
 
 
 def build_engine(config: EngineConfig, allocate: BufferAllocator | None = None,
-                 speculator: SpeculatorFactory | None = None) -> LLMEngine:
+                 speculator: SpeculatorFactory | None = None, tp: TensorParallel | None = None) -> LLMEngine:
     """Load the target, decide the KV layout, size the pools and assemble an engine; ``speculator`` loads the
-    drafter (required when ``config.draft`` is set)."""
+    drafter (required when ``config.draft`` is set); ``tp``: this rank's shard of a tensor-parallel group."""
     _require_speculator(config, speculator)
     dtype = parse_dtype(config.dtype)
     if dtype == torch.float8_e4m3fn:
         raise ValueError("the model dtype cannot be fp8; use kv_cache_dtype for an FP8 KV cache")
     if not Path(config.model).is_dir():
         raise CheckpointError(f"model directory {config.model!r} does not exist")
-    model = Qwen3Model.from_pretrained(config.model, device=config.device, dtype=dtype)
+    model = Qwen3Model.from_pretrained(config.model, device=config.device, dtype=dtype, tp=tp)
     tokenizer = Tokenizer(config.model) if (Path(config.model) / "tokenizer.json").is_file() else None
     return build_engine_from_model(model, config, allocate, tokenizer, speculator)
 
@@ -119,7 +120,8 @@ def build_engine_from_model(model: Qwen3Model, config: EngineConfig, allocate: B
     c = model.config
     target_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
     scale = config.kv_scale if target_dtype == torch.float8_e4m3fn else 1.0
-    target_specs = make_layer_specs(LayerOwner.TARGET, c.num_hidden_layers, target_dtype, c.num_key_value_heads,
+    # Under TP each rank's pool holds its share of the kv heads; every rank sizes the same number of pages.
+    target_specs = make_layer_specs(LayerOwner.TARGET, c.num_hidden_layers, target_dtype, model.num_kv_heads,
                                     c.head_dim, scale)
     draft_specs: list[KVLayerSpec] = []
     layout: KVLayout | None = None

@@ -13,6 +13,7 @@ import torch
 
 from engine.model import Qwen3Model
 from engine.model_runner import ModelRunner, Row
+from engine.parallel import OP_STOP, OP_TARGET
 from engine.sampler import LogitsBlock, LogitsState, adjust_logits, sample, token_logprobs
 from engine.scheduler import ScheduledRequest, Scheduler
 from engine.sequence import Request, RequestStatus, SamplingParams, SpecStats, TokenLogprob
@@ -44,6 +45,9 @@ class Speculator(Protocol):
     def store_context(self, items: Sequence[tuple[Request, int, torch.Tensor]]) -> None: ...
 
     def clear_context(self, request: Request) -> None: ...
+
+    # Tensor parallelism (ranks > 0 only): run a drafter forward rank 0 published.
+    def follow(self, message, captured: torch.Tensor | None) -> None: ...
 
 
 @dataclass
@@ -235,6 +239,26 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    # --- tensor parallelism ---------------------------------------------------------------------
+    def follow(self) -> None:
+        """Ranks > 0: run every forward rank 0 publishes, in order, until it publishes stop. Their scheduler
+        stays empty: block tables, tokens and drafts all arrive in the messages."""
+        tp = self.model.tp
+        captured = None
+        while True:
+            message = tp.receive()
+            if message.op == OP_STOP:
+                return
+            if message.op == OP_TARGET:
+                captured = self.runner.follow(message)
+            else:
+                self.speculator.follow(message, captured)
+
+    def stop_followers(self) -> None:
+        """Rank 0: release ranks > 0 from ``follow`` (call when no step runs any more)."""
+        if self.model.tp is not None:
+            self.model.tp.publish(OP_STOP)
 
     def _finish(self, request: Request, reason: str) -> None:
         request.status = RequestStatus.FINISHED

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, paged_attention, store_kv
 from engine.checkpoint import CheckpointError, Qwen3Config, load_tensors, read_config, take
+from engine.parallel import ShardPlan, TensorParallel, active
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -101,59 +102,98 @@ def swiglu_mlp(x: torch.Tensor, w: DecoderLayerWeights) -> torch.Tensor:
     return F.linear(F.silu(gate) * up, w.down)
 
 
-class Qwen3Model:
-    """The target: embeddings, decoder layers over paged K/V, final norm and LM head."""
+def shard_plan(config: Qwen3Config, tp: TensorParallel | None) -> ShardPlan:
+    """The target's share on ``tp``'s rank (the whole model without TP); refuses a TP size that does not split it."""
+    c = config
+    size, rank = (tp.size, tp.rank) if tp is not None else (1, 0)
+    return ShardPlan(size, rank, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                     intermediate=c.intermediate_size, vocab=c.vocab_size, who="the target model")
 
-    def __init__(self, config: Qwen3Config, tensors: dict[str, torch.Tensor], device, dtype, source: str):
+
+class Qwen3Model:
+    """The target: embeddings, decoder layers over paged K/V, final norm and LM head.
+
+    Under tensor parallelism (``tp``) ``tensors`` are this rank's shards (``shard_plan``): attention heads, MLP
+    columns and vocab rows; o_proj, down_proj and the embedding all-reduce, the LM head all-gathers.
+    """
+
+    def __init__(self, config: Qwen3Config, tensors: dict[str, torch.Tensor], device, dtype, source: str,
+                 tp: TensorParallel | None = None):
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
+        self.tp = active(tp)
         c = config
-        self.embed_tokens = take(tensors, "model.embed_tokens.weight", (c.vocab_size, c.hidden_size), source)
+        plan = shard_plan(c, self.tp)
+        self.num_heads, self.num_kv_heads = plan.num_heads, plan.num_kv_heads
+        vocab = plan.vocab_per_rank if self.tp else c.vocab_size
+        self.vocab_start = plan.vocab_start
+        self.embed_tokens = take(tensors, "model.embed_tokens.weight", (vocab, c.hidden_size), source)
         if c.tie_word_embeddings or "lm_head.weight" not in tensors:
             self.lm_head = self.embed_tokens
         else:
-            self.lm_head = take(tensors, "lm_head.weight", (c.vocab_size, c.hidden_size), source)
+            self.lm_head = take(tensors, "lm_head.weight", (vocab, c.hidden_size), source)
         self.norm = take(tensors, "model.norm.weight", (c.hidden_size,), source)
         self.layers = [
-            load_decoder_layer(tensors, f"model.layers.{i}.", c.hidden_size, c.num_attention_heads,
-                               c.num_key_value_heads, c.head_dim, c.intermediate_size, source)
+            load_decoder_layer(tensors, f"model.layers.{i}.", c.hidden_size, plan.num_heads, plan.num_kv_heads,
+                               c.head_dim, plan.intermediate_size, source)
             for i in range(c.num_hidden_layers)
         ]
         self.rope = RotaryEmbedding(c.head_dim, c.rope_theta, c.max_position_embeddings, self.device, dtype)
         self.scale = c.head_dim ** -0.5
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, device="cpu", dtype: torch.dtype = torch.float32) -> "Qwen3Model":
+    def from_pretrained(cls, model_dir: str | Path, device="cpu", dtype: torch.dtype = torch.float32,
+                        tp: TensorParallel | None = None) -> "Qwen3Model":
+        """Load a checkpoint; under ``tp`` only this rank's shard of each tensor is read."""
         raw = read_config(model_dir)
         archs = raw.get("architectures") or []
         if raw.get("model_type") not in (None, "qwen3") and "Qwen3ForCausalLM" not in archs:
             raise CheckpointError(f"{model_dir}: expected a Qwen3 model, got model_type {raw.get('model_type')!r}")
         config = Qwen3Config.from_dict(raw, f"{model_dir}/config.json")
-        tensors = load_tensors(model_dir, dtype, device)
-        return cls(config, tensors, device, dtype, str(model_dir))
+        tp = active(tp)
+        plan = shard_plan(config, tp)        # a TP size that does not split the model fails before any read
+        tensors = load_tensors(model_dir, dtype, device, shard=plan.shard if tp else None)
+        return cls(config, tensors, device, dtype, str(model_dir), tp)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embed_tokens)
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed_tokens)
+        # Vocab-parallel: each rank embeds the ids of its vocab rows, zeros elsewhere; the sum is the embedding.
+        ids = input_ids - self.vocab_start
+        outside = (ids < 0) | (ids >= self.embed_tokens.shape[0])
+        h = F.embedding(ids.masked_fill(outside, 0), self.embed_tokens)
+        return self.tp.all_reduce(h.masked_fill_(outside.unsqueeze(-1), 0))
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of a row-parallel layer's partial output (``x`` itself without TP)."""
+        return x if self.tp is None else self.tp.all_reduce(x)
+
+    def lm_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[..., V]`` of final-normed hidden states (the drafter's too), on every rank."""
+        logits = F.linear(normed, self.lm_head)
+        if self.tp is not None:
+            logits = self.tp.all_gather_vocab(logits, self.config.vocab_size)
+        return logits.float()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 from final (un-normed) hidden states."""
-        return F.linear(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+        return self.lm_logits(rms_norm(hidden, self.norm, self.config.rms_norm_eps))
 
     def attention(self, layer: DecoderLayerWeights, x: torch.Tensor, positions: torch.Tensor, kv: LayerKV,
                   meta: AttentionMetadata) -> torch.Tensor:
         c = self.config
         qkv = F.linear(x, layer.qkv)
-        kv_dim = c.num_key_value_heads * c.head_dim
-        q, k, v = qkv.split([c.num_attention_heads * c.head_dim, kv_dim, kv_dim], dim=-1)
-        q = rms_norm(q.unflatten(-1, (c.num_attention_heads, c.head_dim)), layer.q_norm, c.rms_norm_eps)
-        k = rms_norm(k.unflatten(-1, (c.num_key_value_heads, c.head_dim)), layer.k_norm, c.rms_norm_eps)
-        v = v.unflatten(-1, (c.num_key_value_heads, c.head_dim))
+        kv_dim = self.num_kv_heads * c.head_dim
+        q, k, v = qkv.split([self.num_heads * c.head_dim, kv_dim, kv_dim], dim=-1)
+        q = rms_norm(q.unflatten(-1, (self.num_heads, c.head_dim)), layer.q_norm, c.rms_norm_eps)
+        k = rms_norm(k.unflatten(-1, (self.num_kv_heads, c.head_dim)), layer.k_norm, c.rms_norm_eps)
+        v = v.unflatten(-1, (self.num_kv_heads, c.head_dim))
         q = self.rope(q, positions)
         k = self.rope(k, positions)
         store_kv(k, v, kv.k_cache, kv.v_cache, meta.slot_mapping, kv.k_scale, kv.v_scale, backend=meta.backend)
         out = paged_attention(q, kv.k_cache, kv.v_cache, meta, self.scale, kv.k_scale, kv.v_scale)
-        return F.linear(out.flatten(-2), layer.o)
+        return self.reduce(F.linear(out.flatten(-2), layer.o))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: Sequence[LayerKV],
                 meta: AttentionMetadata, capture_layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -165,7 +205,7 @@ class Qwen3Model:
         eps = self.config.rms_norm_eps
         for i, layer in enumerate(self.layers):
             h = h + self.attention(layer, rms_norm(h, layer.input_norm, eps), positions, kv[i], meta)
-            h = h + swiglu_mlp(rms_norm(h, layer.post_norm, eps), layer)
+            h = h + self.reduce(swiglu_mlp(rms_norm(h, layer.post_norm, eps), layer))
             if i in wanted:
                 # Hugging Face's hidden_states[L] (the last layer's output) is taken after the final
                 # norm; drafters are trained on that indexing, so capture it the same way.

@@ -9,6 +9,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.model import LayerKV, Qwen3Model
+from engine.parallel import OP_TARGET, Message
 from kv.manager import KVCacheManager
 from kv.spec import LayerOwner
 
@@ -55,6 +56,24 @@ def build_metadata(kv: KVCacheManager, space: int, rows: Sequence[Row], *, causa
     return torch.tensor(positions, dtype=torch.int64, device=device), meta
 
 
+def pack_inputs(ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+                ) -> tuple[list[int], list[torch.Tensor]]:
+    """A forward's ids, positions and attention metadata as a step message's integers and tensors."""
+    return ([meta.max_query_len, meta.max_seq_len, int(meta.causal)],
+            [ids, positions, meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens])
+
+
+def unpack_inputs(message: Message, backend: str
+                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[torch.Tensor]]:
+    """``pack_inputs`` undone on another rank; returns the message's remaining integers and tensors too."""
+    (max_q, max_s, causal), rest_ints = message.ints[:3], message.ints[3:]
+    ids, positions, slots, tables, starts, seq_lens = message.tensors[:6]
+    meta = AttentionMetadata(query_start_loc=starts.int(), seq_lens=seq_lens.int(), block_tables=tables.int(),
+                             slot_mapping=slots, max_query_len=max_q, max_seq_len=max_s, causal=bool(causal),
+                             backend=backend)
+    return ids, positions, meta, rest_ints, message.tensors[6:]
+
+
 def layer_kv_of(kv: KVCacheManager, owner: LayerOwner, num_layers: int) -> list[LayerKV]:
     """The cache views and scales of an owner's layers, wherever the manager placed them."""
     pool = kv.pools[kv.space_of(owner)]
@@ -74,6 +93,7 @@ class ModelRunner:
         self.kv = kv
         self.backend = backend
         self.device = model.device
+        self.tp = model.tp
         self.target_space = kv.space_of(LayerOwner.TARGET)
         self.layer_kv = layer_kv_of(kv, LayerOwner.TARGET, model.config.num_hidden_layers)
 
@@ -85,7 +105,20 @@ class ModelRunner:
         positions, meta = build_metadata(self.kv, self.target_space, rows, causal=True, backend=self.backend,
                                          device=self.device)
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-        hidden, captured = self.model.forward(ids, positions, self.layer_kv, meta, capture_layers)
         index = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden[index]) if len(logit_rows) else hidden.new_zeros(0)
+        if self.tp is not None:
+            ints, tensors = pack_inputs(ids, positions, meta)
+            self.tp.publish(OP_TARGET, ints + list(capture_layers), tensors + [index])
+        return self._forward(ids, positions, meta, index, capture_layers)
+
+    def _forward(self, ids, positions, meta, index, capture_layers) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden, captured = self.model.forward(ids, positions, self.layer_kv, meta, capture_layers)
+        logits = self.model.compute_logits(hidden[index]) if len(index) else hidden.new_zeros(0)
         return logits, captured
+
+    @torch.inference_mode()
+    def follow(self, message: Message) -> torch.Tensor | None:
+        """A rank > 0: the target forward rank 0 published; returns the captured hidden states (the same on
+        every rank) for the drafter context store that follows."""
+        ids, positions, meta, capture_layers, (index,) = unpack_inputs(message, self.backend)
+        return self._forward(ids, positions, meta, index, tuple(capture_layers))[1]

@@ -2,7 +2,9 @@
 
 ``RankInfo`` travels as versioned JSON: a payload from a peer is parsed, never unpickled; the NIXL agent
 metadata (bytes) is base64. Version 1 payloads predate draft layers and read as 0 draft layers.
-TP: the fields describe any ``tp_size``/``tp_rank``; the engine runs TP=1 today.
+TP: a rank publishes its own ``tp_rank`` and its pools' per-rank kv heads (``num_kv_heads / tp_size``, or 1
+replicated head). Peers must agree on ``tp_size`` today; reading between different TP sizes (per-rank kv-head
+slices) is the next step.
 """
 
 from __future__ import annotations

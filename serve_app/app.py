@@ -13,11 +13,15 @@ from serve_app.config import DeploymentSettings, ServiceConfig, parse_service_co
 DEFAULT_APP_NAME = "dflash"
 
 
-def _engine_options(settings: DeploymentSettings, service: ServiceConfig, transfer: bool) -> dict[str, Any]:
+def _engine_options(settings: DeploymentSettings, service: ServiceConfig, transfer: bool,
+                    tp_size: int = 1) -> dict[str, Any]:
     options = settings.serve_options()
-    if transfer and settings.num_gpus > 0:
-        # The replica and its KVManagerActor share one bundle (one GPU): the pool lives on that GPU.
-        options["placement_group_bundles"] = [{"CPU": settings.num_cpus, "GPU": settings.num_gpus}]
+    if (transfer or tp_size > 1) and settings.num_gpus > 0:
+        # The replica and its KVManagerActor share one bundle (one GPU): the pool lives on that GPU. Each further
+        # tensor-parallel rank (and its KV manager) gets a bundle with a GPU of its own on the same node.
+        options["placement_group_bundles"] = [{"CPU": settings.num_cpus, "GPU": settings.num_gpus}] + \
+            [{"GPU": 1}] * (tp_size - 1)
+        options["placement_group_strategy"] = "STRICT_PACK"
         options["ray_actor_options"]["num_gpus"] = settings.num_gpus - 0.1
     options["ray_actor_options"]["runtime_env"] = {"env_vars": {
         "OMP_NUM_THREADS": str(service.model.num_threads), "TOKENIZERS_PARALLELISM": "false"}}
@@ -40,7 +44,8 @@ def build_service(service: ServiceConfig) -> Application:
         num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000).bind()
     if service.mode == "aggregated":
         backends = {"aggregated": serve.deployment(AggregatedServer, name="AggregatedServer").options(
-            **_engine_options(service.aggregated, service, transfer=False)).bind(args, hub)}
+            **_engine_options(service.aggregated, service, transfer=False,
+                              tp_size=service.tp_size("aggregated"))).bind(args, hub)}
     else:
         backends = {
             "prefill": serve.deployment(PrefillServer, name="PrefillServer").options(

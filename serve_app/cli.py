@@ -68,9 +68,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from actors.offline import generate_offline
 
         kwargs = engine_kwargs(args)
-        outputs = generate_offline(args.mode, kwargs, prompts, params, transfer_draft_kv=not args.no_transfer_draft_kv)
+        outputs = generate_offline(args.mode, kwargs, prompts, params, transfer_draft_kv=not args.no_transfer_draft_kv,
+                                   tp_size=args.tp)
         speculative = kwargs["draft"] is not None
     else:
+        if args.tp != 1:
+            raise ValueError(f"--tp {args.tp} needs --mode agg: tensor-parallel ranks run as Ray actors")
         llm = LLM(**engine_kwargs(args))
         outputs = llm.generate(prompts, params)
         speculative = llm.engine.speculator is not None
@@ -104,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.add_argument("--mode", choices=["agg", "disagg"], default=None,
                      help="run on a local Ray cluster: one aggregated replica, or one prefill and one decode replica")
+    gen.add_argument("--tp", type=int, default=1,
+                     help="tensor-parallel ranks per replica (with --mode agg; disaggregated TP is not implemented)")
     gen.add_argument("--no-transfer-draft-kv", action="store_true",
                      help="with --mode disagg: move target layers only (the ablation: decode drafts from an "
                           "empty drafter context)")
@@ -118,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -42,15 +42,14 @@ class ModelSettings(_Strict):
     max_num_batched_tokens: int = Field(512, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     attention_backend: Literal["torch", "triton"] | None = None
-    tensor_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1)        # every role's, unless its deployment sets its own
     pipeline_parallel_size: int = Field(1, ge=1)
     num_threads: int = Field(1, ge=1)                 # torch threads per replica process
 
     @model_validator(mode="after")
     def _parallel_sizes(self):
-        # The engine runs TP=1 and has no pipeline stages: refuse at load, not at the first request.
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: the engine runs TP=1 only")
+        # The engine has no pipeline stages: refuse at load, not at the first request. (A TP size that does not
+        # split the model's heads is refused when the replica reads the checkpoint, before any rank starts.)
         if self.pipeline_parallel_size != 1:
             raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size}: pipeline parallelism "
                              "is not supported (and it disables the unified draft KV)")
@@ -106,6 +105,7 @@ class DeploymentSettings(_Strict):
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     max_ongoing_requests: int = Field(64, ge=1)
+    tensor_parallel_size: int | None = Field(None, ge=1)     # ranks per replica of this role; None: the model's
     max_queued_requests: int = Field(-1, ge=-1)     # -1: unbounded; beyond it the handle refuses (503)
     # Serve calls each replica's health check this often and replaces a replica after 3 failures in a row
     # (an engine replica fails it when a rank's KV manager or engine thread is dead).
@@ -159,6 +159,20 @@ class ServiceConfig(_Strict):
 
     def engine_roles(self) -> tuple[str, ...]:
         return ("aggregated",) if self.mode == "aggregated" else ("prefill", "decode")
+
+    def tp_size(self, role: str) -> int:
+        """Tensor-parallel ranks per replica of ``role``: its deployment's setting, else the model's."""
+        return getattr(self, role).tensor_parallel_size or self.model.tensor_parallel_size
+
+    @model_validator(mode="after")
+    def _disaggregated_tp(self):
+        if self.mode == "disaggregated":
+            for role in self.engine_roles():
+                if self.tp_size(role) != 1:
+                    raise ValueError(f"{role} tensor_parallel_size {self.tp_size(role)}: disaggregated tensor "
+                                     "parallelism (prefill TP -> decode TP, each rank reading its kv-head slice of "
+                                     "the peer's pages) is not implemented yet; use mode aggregated or TP 1")
+        return self
 
 
 class HttpSettings(_Strict):

@@ -19,7 +19,8 @@ class _Served:
 
     def __init__(self, service: dict, hub):
         self.service = ServiceConfig.model_validate(service)
-        super().__init__(self.service.model.engine_config(), num_threads=self.service.model.num_threads,
+        super().__init__(self.service.model.engine_config(), tp_size=self.service.tp_size(self.role),
+                         num_threads=self.service.model.num_threads,
                          hold_timeout_s=self.service.hold_timeout_s, transfer_draft_kv=self.service.transfer_draft_kv)
         self._closed = threading.Event()
         self._hub = hub

@@ -10,7 +10,8 @@ import torch
 from engine.llm import EngineConfig, kv_cache_dtype
 from engine.llm_engine import Proposal
 from engine.model import Qwen3Model
-from engine.model_runner import Row, build_metadata, layer_kv_of
+from engine.model_runner import Row, build_metadata, layer_kv_of, pack_inputs, unpack_inputs
+from engine.parallel import OP_CLEAR, OP_DRAFT, OP_STORE, Message
 from engine.sampler import LogitsBlock, adjust_logits, probabilities, sample_from
 from engine.scheduler import ScheduledRequest
 from engine.sequence import Request
@@ -22,7 +23,8 @@ from spec_decode.verify import verify_greedy, verify_sampling
 
 class DFlashSpeculator:
     """Binds a drafter to its draft layers in the KV manager (the unified pool or a separate one); the
-    target lends its embedding and LM head."""
+    target lends its embedding and LM head. Under tensor parallelism rank 0 publishes each drafter forward
+    and ranks > 0 run it in ``follow``."""
 
     def __init__(self, drafter: DFlashDrafter, target: Qwen3Model, kv: KVCacheManager, backend: str,
                  num_spec_tokens: int | None = None):
@@ -42,6 +44,7 @@ class DFlashSpeculator:
         self.capture_layers = drafter.target_layer_ids
         self.space = kv.space_of(LayerOwner.DRAFT)
         self.layer_kv = layer_kv_of(kv, LayerOwner.DRAFT, drafter.config.num_hidden_layers)
+        self.tp = target.tp
 
     @torch.inference_mode()
     def draft_logits(self, requests: Sequence[Request], num_drafts: int) -> torch.Tensor:
@@ -57,9 +60,16 @@ class DFlashSpeculator:
         mask = self.drafter.config.mask_token_id
         ids = torch.tensor([t for r in requests for t in [r.all_token_ids[-1]] + [mask] * num_drafts],
                            dtype=torch.int64, device=device)
+        if self.tp is not None:
+            ints, tensors = pack_inputs(ids, positions, meta)
+            self.tp.publish(OP_DRAFT, ints + [len(requests), width], tensors)
+        return self._draft(ids, positions, meta, len(requests), width)
+
+    def _draft(self, ids, positions, meta, batch: int, width: int) -> torch.Tensor:
         hidden = self.drafter.forward_block(self.target.embed(ids), positions, self.layer_kv, meta)
-        hidden = hidden.view(len(requests), width, -1)
-        return self.drafter.compute_logits(hidden[:, 1:], self.target.lm_head)   # slot k predicts start + k
+        hidden = hidden.view(batch, width, -1)
+        # Slot k predicts start + k; the target's LM head (vocab-parallel under TP) gives the logits.
+        return self.target.lm_logits(self.drafter.final_norm(hidden[:, 1:]))
 
     def propose(self, rows: Sequence[ScheduledRequest]) -> list[Proposal]:
         if not rows:
@@ -104,19 +114,47 @@ class DFlashSpeculator:
         rows = [Row(r.request_id, start, len(h)) for r, start, h in items]
         positions, meta = build_metadata(self.kv, self.space, rows, causal=False, backend=self.backend,
                                          device=self.drafter.device)
-        context = self.drafter.project_context(torch.cat([h for _, _, h in items]))
-        self.drafter.store_context(context, positions, self.layer_kv, meta.slot_mapping, self.backend)
+        if self.tp is not None:
+            # Every rank holds the same captured hidden states (the residual stream is replicated); the engine
+            # passes row slices of them, so the rows' offsets tell the other ranks which to store.
+            index = torch.cat([torch.arange(h.storage_offset() // h.stride(0), h.storage_offset() // h.stride(0)
+                                            + len(h)) for _, _, h in items])
+            self.tp.publish(OP_STORE, (), [positions, meta.slot_mapping, index])
+        self._store(torch.cat([h for _, _, h in items]), positions, meta.slot_mapping)
         for r, start, h in items:
             r.num_draft_context = start + len(h)
+
+    def _store(self, captured: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        context = self.drafter.project_context(captured)
+        self.drafter.store_context(context, positions, self.layer_kv, slot_mapping, self.backend)
 
     def clear_context(self, request: Request) -> None:
         """Zero the draft layers over the request's history: the drafter context of an engine that never
         received it (the no-draft-transfer ablation)."""
         table = self.kv.block_table(request.request_id, self.space)
         pages = torch.tensor(table[:-(-request.num_draft_context // self.kv.page_size)], dtype=torch.int64)
+        if self.tp is not None:
+            self.tp.publish(OP_CLEAR, (), [pages])
+        self._clear(pages)
+
+    def _clear(self, pages: torch.Tensor) -> None:
         for layer in self.layer_kv:
             layer.k_cache[pages.to(layer.k_cache.device)] = 0
             layer.v_cache[pages.to(layer.v_cache.device)] = 0
+
+    @torch.inference_mode()
+    def follow(self, message: Message, captured: torch.Tensor | None) -> None:
+        """A rank > 0: the drafter forward rank 0 published (``captured``: the last target forward's)."""
+        if message.op == OP_DRAFT:
+            ids, positions, meta, (batch, width), _ = unpack_inputs(message, self.backend)
+            self._draft(ids, positions, meta, batch, width)
+        elif message.op == OP_STORE:
+            positions, slot_mapping, index = message.tensors
+            self._store(captured[index.to(captured.device)], positions, slot_mapping)
+        elif message.op == OP_CLEAR:
+            self._clear(message.tensors[0])
+        else:
+            raise ValueError(f"unknown step message op {message.op}")
 
 
 class UnboundDFlash:
@@ -150,4 +188,7 @@ class DFlashFactory:
             drafter = DFlashDrafter.from_pretrained(config.draft, model, device=config.device, dtype=model.dtype)
         else:
             drafter.config.check_target(model.config, "the given drafter")
+            if model.tp is not None and drafter.tp is not model.tp:
+                raise ValueError("a drafter given in memory is not sharded for the tensor-parallel target; "
+                                 "load it from EngineConfig.draft")
         return UnboundDFlash(drafter, model, config)

@@ -28,6 +28,7 @@ from engine.attention import AttentionMetadata, paged_attention, store_kv
 from engine.checkpoint import CheckpointError, Qwen3Config, load_tensors, read_config, require, take
 from engine.model import (DecoderLayerWeights, LayerKV, Qwen3Model, apply_rope, load_decoder_layer, rms_norm,
                           rope_table, swiglu_mlp)
+from engine.parallel import ShardPlan, TensorParallel, active
 from kv.spec import KVLayerSpec, LayerOwner, make_layer_specs
 
 
@@ -112,6 +113,12 @@ class DFlashConfig:
             "dtype": str(dtype).removeprefix("torch."),
         }
 
+    def shard_plan(self, tp: TensorParallel | None) -> ShardPlan:
+        """The drafter's share on ``tp``'s rank, split like the target's (it has no vocab of its own)."""
+        size, rank = (tp.size, tp.rank) if tp is not None else (1, 0)
+        return ShardPlan(size, rank, heads=self.num_attention_heads, kv_heads=self.num_key_value_heads,
+                         head_dim=self.head_dim, intermediate=self.intermediate_size, who="the DFlash drafter")
+
     def check_target(self, t: Qwen3Config, source: str) -> None:
         """Refuse a target this drafter was not made for."""
         if self.hidden_size != t.hidden_size:
@@ -149,15 +156,19 @@ class DFlashDrafter(nn.Module):
     """Qwen3 decoder layers drafting a block from projected target features (serving and training)."""
 
     def __init__(self, config: DFlashConfig, tensors: dict[str, torch.Tensor], source: str = "tensors",
-                 max_positions: int | None = None):
+                 max_positions: int | None = None, tp: TensorParallel | None = None):
         """The drafter over checkpoint-named ``tensors`` (taken as they are: their device and dtype are the
-        drafter's); RoPE covers ``max_positions`` (default ``config.max_position_embeddings``)."""
+        drafter's; under ``tp`` this rank's shards); RoPE covers ``max_positions`` (default
+        ``config.max_position_embeddings``)."""
         super().__init__()
         c = config
         self.config = c
+        self.tp = active(tp)
+        plan = c.shard_plan(self.tp)
+        self.num_heads, self.num_kv_heads = plan.num_heads, plan.num_kv_heads
         self.layers = nn.ModuleList(
-            DFlashLayer(load_decoder_layer(tensors, f"layers.{i}.", c.hidden_size, c.num_attention_heads,
-                                           c.num_key_value_heads, c.head_dim, c.intermediate_size, source))
+            DFlashLayer(load_decoder_layer(tensors, f"layers.{i}.", c.hidden_size, plan.num_heads,
+                                           plan.num_kv_heads, c.head_dim, plan.intermediate_size, source))
             for i in range(c.num_hidden_layers))
         n = len(c.target_layer_ids)
         self.fc = nn.Parameter(take(tensors, "fc.weight", (c.hidden_size, n * c.hidden_size), source))
@@ -180,14 +191,17 @@ class DFlashDrafter(nn.Module):
     @classmethod
     def from_pretrained(cls, draft_dir: str | Path, target: Qwen3Model | None = None, device="cpu",
                         dtype: torch.dtype = torch.float32) -> "DFlashDrafter":
-        """Load a z-lab checkpoint; with ``target``, check that the drafter fits it and size RoPE to it."""
+        """Load a z-lab checkpoint; with ``target``, check that the drafter fits it and size RoPE to it; a
+        tensor-parallel target gets a drafter sharded the same way (only this rank's slices are read)."""
         raw = read_config(draft_dir)
         source = f"{draft_dir}/config.json"
         config = DFlashConfig.from_dict(raw, source, target.config.num_hidden_layers if target else None)
         if target is not None:
             config.check_target(target.config, str(draft_dir))
-        tensors = load_tensors(draft_dir, dtype, device)
-        return cls(config, tensors, str(draft_dir), target.rope.max_positions if target else None)
+        tp = target.tp if target is not None else None
+        plan = config.shard_plan(tp)
+        tensors = load_tensors(draft_dir, dtype, device, shard=plan.shard if tp else None)
+        return cls(config, tensors, str(draft_dir), target.rope.max_positions if target else None, tp)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """The weights under their z-lab checkpoint names (views of the parameters, detached)."""
@@ -230,8 +244,9 @@ class DFlashDrafter(nn.Module):
         return self.config.target_layer_ids
 
     def kv_layer_specs(self, dtype: torch.dtype) -> list[KVLayerSpec]:
+        """This rank's draft layers: its share of the kv heads, as the target's layers in the same pool."""
         c = self.config
-        return make_layer_specs(LayerOwner.DRAFT, c.num_hidden_layers, dtype, c.num_key_value_heads, c.head_dim)
+        return make_layer_specs(LayerOwner.DRAFT, c.num_hidden_layers, dtype, self.num_kv_heads, c.head_dim)
 
     # --- the layers -----------------------------------------------------------------------------
     def project_context(self, captured: torch.Tensor) -> torch.Tensor:
@@ -240,17 +255,17 @@ class DFlashDrafter(nn.Module):
 
     def _q(self, layer: DFlashLayer, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         c = self.config
-        q = F.linear(x, layer.qkv[:c.num_attention_heads * c.head_dim])
-        q = rms_norm(q.unflatten(-1, (c.num_attention_heads, c.head_dim)), layer.q_norm, c.rms_norm_eps)
+        q = F.linear(x, layer.qkv[:self.num_heads * c.head_dim])
+        q = rms_norm(q.unflatten(-1, (self.num_heads, c.head_dim)), layer.q_norm, c.rms_norm_eps)
         return apply_rope(q, positions, self.rope_cos, self.rope_sin)
 
     def _kv(self, layer: DFlashLayer, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
-        q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        q_dim, kv_dim = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
         k, v = F.linear(x, layer.qkv[q_dim:]).split([kv_dim, kv_dim], dim=-1)
-        k = rms_norm(k.unflatten(-1, (c.num_key_value_heads, c.head_dim)), layer.k_norm, c.rms_norm_eps)
+        k = rms_norm(k.unflatten(-1, (self.num_kv_heads, c.head_dim)), layer.k_norm, c.rms_norm_eps)
         k = apply_rope(k, positions, self.rope_cos, self.rope_sin)
-        return k, v.unflatten(-1, (c.num_key_value_heads, c.head_dim))
+        return k, v.unflatten(-1, (self.num_kv_heads, c.head_dim))
 
     def _decode(self, h: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         """The draft layers over the block's hidden states; ``attend`` is each layer's attention over the
@@ -260,13 +275,20 @@ class DFlashDrafter(nn.Module):
             x = rms_norm(h, layer.input_norm, eps)
             q = self._q(layer, x, positions)
             k, v = self._kv(layer, x, positions)
-            h = h + F.linear(attend(i, q, k, v).flatten(-2), layer.o)
-            h = h + swiglu_mlp(rms_norm(h, layer.post_norm, eps), layer)
+            h = h + self._reduce(F.linear(attend(i, q, k, v).flatten(-2), layer.o))
+            h = h + self._reduce(swiglu_mlp(rms_norm(h, layer.post_norm, eps), layer))
         return h
 
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        # Row-parallel o_proj and down_proj: each rank holds a partial sum (nothing to do without TP).
+        return x if self.tp is None else self.tp.all_reduce(x)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+
     def compute_logits(self, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
-        """float32 logits through the final norm and the target's LM head weight ``[V, H]``."""
-        return F.linear(rms_norm(hidden, self.norm, self.config.rms_norm_eps), lm_head).float()
+        """float32 logits through the final norm and the target's (whole) LM head weight ``[V, H]``."""
+        return F.linear(self.final_norm(hidden), lm_head).float()
 
     # --- serving: context K/V in draft-layer pages ---------------------------------------------
     def store_context(self, context: torch.Tensor, positions: torch.Tensor, layer_kv: Sequence[LayerKV],

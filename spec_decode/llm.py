@@ -9,16 +9,19 @@ from engine import llm as engine_llm
 from engine.llm import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model import Qwen3Model
+from engine.parallel import TensorParallel
 from engine.tokenizer import Tokenizer
 from kv.pool import BufferAllocator
 from spec_decode.dflash import DFlashFactory
 from spec_decode.drafter import DFlashDrafter
 
 
-def build_engine(config: EngineConfig, allocate: BufferAllocator | None = None) -> LLMEngine:
-    """An engine with the DFlash drafter ``config.draft`` (target-only when it is None)."""
+def build_engine(config: EngineConfig, allocate: BufferAllocator | None = None,
+                 tp: TensorParallel | None = None) -> LLMEngine:
+    """An engine with the DFlash drafter ``config.draft`` (target-only when it is None); ``tp``: this rank's
+    shard of a tensor-parallel group (target and drafter alike)."""
     factory = DFlashFactory() if config.draft is not None else None
-    return engine_llm.build_engine(config, allocate, speculator=factory)
+    return engine_llm.build_engine(config, allocate, speculator=factory, tp=tp)
 
 
 def build_engine_from_model(model: Qwen3Model, config: EngineConfig, allocate: BufferAllocator | None = None,

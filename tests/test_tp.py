@@ -1,0 +1,139 @@
+"""Tensor parallelism inside an aggregated replica: rank 0 in the replica's process, rank 1 a Ray actor, both
+stepping in lockstep over a gloo process group. Float32 greedy output must not depend on the TP size."""
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.ray
+
+import ray  # noqa: E402
+
+from actors.offline import encode_prompts  # noqa: E402
+from actors.replica import AggregatedReplica, PrefillReplica  # noqa: E402
+from engine.llm import EngineConfig  # noqa: E402
+from engine.sequence import SamplingParams  # noqa: E402
+from serve_app.config import ConfigError, parse_service_config  # noqa: E402
+from tests import checkpoints  # noqa: E402
+
+DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
+
+
+def demo_prompts(n=3):
+    lines = (DEMO.parents[1] / "benchmarks" / "prompts" / "heldout.jsonl").read_text().splitlines()
+    return [json.loads(line)["prompt"] for line in lines[:n]]
+
+
+def generate(replica, prompts, max_tokens=32):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    reqs = [(f"r{i}", list(p), params) for i, p in enumerate(prompts)]
+    return asyncio.run(replica.generate_all(reqs))
+
+
+def tokens_and_acceptance(outputs):
+    return [(o.token_ids, o.acceptance_lengths) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def demo_ids():
+    return encode_prompts(str(DEMO / "target"), demo_prompts())
+
+
+@pytest.fixture(scope="module", params=["target-only", "dflash"])
+def demo_pair(request, ray_cluster):
+    """TP 1 and TP 2 aggregated replicas over the demo pair (4 heads, 2 kv heads), float32."""
+    draft = str(DEMO / "drafter") if request.param == "dflash" else None
+    config = EngineConfig(model=str(DEMO / "target"), draft=draft, num_pages=128, max_num_batched_tokens=64)
+    replicas = {tp: AggregatedReplica(config, tp_size=tp) for tp in (1, 2)}
+    yield replicas
+    for replica in replicas.values():
+        replica.shutdown()
+
+
+def test_tp2_greedy_output_and_acceptance_equal_tp1(demo_pair, demo_ids):
+    # A 64-token budget splits the longer prompts into prefill chunks next to decode rows.
+    tp1, tp2 = (tokens_and_acceptance(generate(demo_pair[tp], demo_ids)) for tp in (1, 2))
+    assert tp2 == tp1
+    if demo_pair[1].engine.speculator is not None:
+        # Acceptance that means something: the per-step comparison above would pass trivially at AL 1.
+        steps = [al for _, als in tp1 for al in als]
+        assert sum(steps) / len(steps) > 1.5
+    assert demo_pair[2].group.pages_in_use_per_rank() == [0, 0]
+    assert demo_pair[2].group.health_problems() == []
+
+
+def test_each_rank_holds_its_shard_and_its_kv_heads(demo_pair):
+    one, two = demo_pair[1].engine, demo_pair[2].engine
+    c = one.model.config
+    assert two.model.embed_tokens.shape == (c.vocab_size // 2, c.hidden_size)
+    assert two.model.layers[0].qkv.shape[0] == one.model.layers[0].qkv.shape[0] // 2
+    assert two.model.layers[0].down.shape == (c.hidden_size, c.intermediate_size // 2)
+    # Rank 0's unified pool: 1 of the 2 kv heads per layer, target and draft layers alike, and as many pages.
+    assert {spec.num_kv_heads for spec in two.kv.pools[0].specs} == {1}
+    assert {spec.num_kv_heads for spec in one.kv.pools[0].specs} == {2}
+    assert [p.num_pages for p in two.kv.pools] == [p.num_pages for p in one.kv.pools]
+
+
+def test_an_idle_follower_rank_uses_no_cpu(demo_pair):
+    """Rank 1 waits for rank 0's next message in a blocking read, not a poll."""
+    rank = demo_pair[2].group.remote_ranks[0]
+    pid = ray.get(rank.__ray_call__.remote(lambda self: os.getpid()))
+
+    def cpu_seconds():
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    before, start = cpu_seconds(), time.monotonic()
+    time.sleep(2)
+    assert (cpu_seconds() - before) / (time.monotonic() - start) < 0.02
+
+
+def test_kv_heads_fewer_than_ranks_are_replicated(ray_cluster, tmp_path):
+    """One kv head, two ranks: each rank stores that head's K/V for its own query heads (as vLLM does)."""
+    target = checkpoints.write_tiny_qwen3(tmp_path / "target", num_key_value_heads=1)
+    drafter = checkpoints.write_tiny_drafter(tmp_path / "drafter", num_key_value_heads=1)
+    config = EngineConfig(model=str(target), draft=str(drafter), num_pages=64)
+    prompts = [[(7 * i + 3 * j) % 120 + 1 for j in range(n)] for i, n in enumerate([5, 16, 33])]
+    outputs = {}
+    for tp in (1, 2):
+        replica = AggregatedReplica(config, tp_size=tp)
+        try:
+            outputs[tp] = tokens_and_acceptance(generate(replica, prompts, max_tokens=16))
+            assert {spec.num_kv_heads for spec in replica.engine.kv.pools[0].specs} == {1}
+            assert replica.group.pages_in_use_per_rank() == [0] * tp
+        finally:
+            replica.shutdown()
+    assert outputs[2] == outputs[1]
+
+
+def test_a_tp_size_that_does_not_split_the_heads_is_refused_at_start(tiny_target):
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide num_attention_heads 4"):
+        AggregatedReplica(EngineConfig(model=str(tiny_target)), tp_size=3)
+    from serve_app.cli import main
+
+    assert main(["generate", "--model", str(tiny_target), "--mode", "agg", "--tp", "3", "--prompt", "x"]) == 2
+
+
+def test_disaggregated_tp_is_refused_naming_the_missing_transfer(tiny_target):
+    with pytest.raises(NotImplementedError, match="heterogeneous KV transfer"):
+        PrefillReplica(EngineConfig(model=str(tiny_target)), tp_size=2)
+    with pytest.raises(ConfigError, match="prefill tensor_parallel_size 2: disaggregated tensor parallelism"):
+        parse_service_config({"model": {"tensor_parallel_size": 2}})
+    service = parse_service_config({"mode": "aggregated", "aggregated": {"tensor_parallel_size": 2}})
+    assert service.tp_size("aggregated") == 2
+
+
+def test_cli_generate_agg_tp2_prints_the_tp1_json(ray_cluster, capsys):
+    from serve_app.cli import main
+
+    args = ["generate", "--json", "--max-tokens", "24", "--prompt", demo_prompts(1)[0]]
+    records = []
+    for extra in ([], ["--mode", "agg", "--tp", "2"]):      # the in-process engine, then two Ray ranks
+        assert main(args + extra) == 0
+        records.append(json.loads(capsys.readouterr().out.strip()))
+    assert records[1] == records[0]
+    assert records[1]["mean_acceptance_length"] > 1.5 and len(records[1]["token_ids"]) == 24
