@@ -37,7 +37,7 @@ RAY_CALLS_DETAIL = (
     "(awaited); read calls the prefill KV manager's begin_read (awaited, before the NIXL READ is posted) and, "
     "once the READ has ended, its end_read without waiting for it. read reports the NIXL READ alone as "
     "'seconds' and the begin_read round trip as 'lease_seconds'. Around the transfer (not counted): "
-    "driver -> prefill replica prefill, prefill replica -> its KV manager hold, driver -> decode replica "
+    "driver -> prefill replica prefill, prefill replica -> its KV manager hold (sent, not awaited), driver -> decode replica "
     "decode (a streaming call whose chunks return as generator items), the prefill replica's pending "
     "wait_released returning (then re-issued), and register_peer once per new prefill peer. "
     "No Ray call per decode step.")
