@@ -140,7 +140,9 @@ def main():
             e_prefill, e_step, steps = time_engine(engine, prompts, args.out_len)
             h_prefill, h_step = time_hf(hf, prompts, args.out_len)
             ctx = args.prompt_len + args.out_len // 2
-            floor = (weight_bytes + batch * ctx * kv_bytes_per_token) / (bw / 2)
+            # Bytes read over the copy bandwidth, which counts read + write: a copy moves twice the bytes it
+            # reads, so read-only traffic streams at about that rate (half of it made the floor twice too long).
+            floor = (weight_bytes + batch * ctx * kv_bytes_per_token) / bw
             row = dict(batch=batch, engine_prefill_tok_s=batch * args.prompt_len / e_prefill,
                        hf_prefill_tok_s=batch * args.prompt_len / h_prefill,
                        engine_decode_tok_s=batch / e_step, hf_decode_tok_s=batch / h_step,

@@ -114,11 +114,11 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def make_query(meta, num_q_heads, dtype, seed=1):
+def make_query(meta, num_q_heads, dtype, seed=1, head_dim=HEAD_DIM):
     """Queries as a strided view (the q slice of a fused qkv projection), not a contiguous tensor."""
     gen = torch.Generator().manual_seed(seed)
     num_tokens = int(meta.query_start_loc[-1])
-    qkv = torch.randn(num_tokens, num_q_heads + 2 * NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype).to(DEVICE)
+    qkv = torch.randn(num_tokens, num_q_heads + 2 * NUM_KV_HEADS, head_dim, generator=gen).to(dtype).to(DEVICE)
     return qkv[:, :num_q_heads]
 
 
@@ -271,12 +271,12 @@ TRITON_DTYPES = [
 ]
 
 
-def _triton_case(query_dtype, cache_dtype, kv_scale, page_size, spec, num_q_heads=6, seed=0):
-    meta, dense_k, dense_v, num_pages = build_batch(spec, page_size, seed=seed)
-    _, k_cache, v_cache = make_layer_caches(num_pages, page_size, cache_dtype, seed=seed)
+def _triton_case(query_dtype, cache_dtype, kv_scale, page_size, spec, num_q_heads=6, seed=0, head_dim=HEAD_DIM):
+    meta, dense_k, dense_v, num_pages = build_batch(spec, page_size, head_dim=head_dim, seed=seed)
+    _, k_cache, v_cache = make_layer_caches(num_pages, page_size, cache_dtype, head_dim=head_dim, seed=seed)
     write_dense(k_cache, dense_k, meta, kv_scale)
     write_dense(v_cache, dense_v, meta, kv_scale)
-    query = make_query(meta, num_q_heads, query_dtype, seed=seed + 1)
+    query = make_query(meta, num_q_heads, query_dtype, seed=seed + 1, head_dim=head_dim)
     return meta, k_cache, v_cache, query
 
 
@@ -338,3 +338,36 @@ def test_triton_dispatch_sends_decode_to_split_kernel(monkeypatch):
     torch.testing.assert_close(via_dispatch, via_varlen, rtol=1e-5, atol=1e-5)
     ref = run("torch", query, k_cache, v_cache, meta, 0.2)
     assert rel_err(via_dispatch, ref) < 1e-5
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("cache_dtype,kv_scale,page_size", [(torch.bfloat16, 1.0, 1), (FP8_DTYPE, 0.02, 64)])
+def test_triton_decode_handles_head_dim_below_tile_and_rows_without_query(cache_dtype, kv_scale, page_size):
+    """Head dim 24 in a 32-wide tile takes the dim-masked loads (32 takes row-only ones); a sequence with no query
+    this step (batch padding) is skipped without disturbing its neighbours' splits; tiles span pages (page 1) or
+    sit inside one (page 64)."""
+    from engine.triton_attention import decode_attention
+
+    spec = [(40, 1), (21, 0), (0, 1), (90, 1)]
+    meta, k_cache, v_cache, query = _triton_case(torch.bfloat16, cache_dtype, kv_scale, page_size, spec,
+                                                 num_q_heads=8, head_dim=24)
+    kw = dict(k_scale=kv_scale, v_scale=kv_scale)
+    ref = run("torch", query, k_cache, v_cache, meta, 0.2, **kw)
+    for num_splits in (1, 4):
+        out = decode_attention(query, k_cache, v_cache, meta, 0.2, num_splits=num_splits, **kw)
+        assert rel_err(out, ref) < LOW_PRECISION_TOL
+
+
+def test_decode_splits_fill_the_multiprocessors(monkeypatch):
+    """One long sequence is split until every multiprocessor has work; a batch that fills the GPU is not split,
+    and no split is left without a tile (a split count past the tiles would only add empty programs)."""
+    from engine import triton_attention
+
+    monkeypatch.setattr(triton_attention, "_multiprocessor_count", lambda device: 132)  # an H100 / H200
+    splits = triton_attention._default_num_splits
+    cpu = torch.device("cpu")
+    assert splits(num_programs=8, num_tiles=32, device=cpu) == 32  # batch 1 x 8 kv heads, 4k fp8 in 128-row tiles
+    assert splits(num_programs=8 * 8, num_tiles=32, device=cpu) == 8  # batch 8: 512 programs
+    assert splits(num_programs=32 * 8, num_tiles=32, device=cpu) == 2  # batch 32: 2, not 3 (uneven, 15% slower)
+    assert splits(num_programs=128 * 8, num_tiles=32, device=cpu) == 1  # batch 128 fills the GPU alone
+    assert splits(num_programs=8, num_tiles=3, device=cpu) == 3  # a short context: one tile per split at most
