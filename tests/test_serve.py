@@ -507,8 +507,13 @@ def test_api_key_guards_v1_and_docs_turn_on_only_when_asked(server, tiny_pair, m
     try:
         url = f"{server}/locked"
         deadline = time.monotonic() + 120
-        while httpx.get(f"{url}/health", timeout=10).status_code == 404:    # the proxy: no such app yet
-            assert time.monotonic() < deadline
+        while True:       # the proxy answers 404 (or holds the request) until the app's ingress is up
+            try:
+                if httpx.get(f"{url}/health", timeout=10).status_code != 404:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the locked app's ingress never came up"
             time.sleep(0.3)
         body = {"model": "tiny", "prompt": "hi"}
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
