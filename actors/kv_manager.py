@@ -5,7 +5,9 @@ sleeps in that loop (no polling thread, no NIXL progress thread).
 
 Prefill side, a lease per held request: ``hold`` -> HELD (expires after the hold timeout) -> ``begin_read``
 by the decode peer -> READING (cannot expire while the READ runs, beyond a generous deadline for a peer
-that died mid-READ) -> ``end_read`` -> released. A lease that expired or was cancelled refuses
+that died mid-READ) -> ``end_read`` -> released. Between TP sizes several decode ranks may READ one prefill
+rank's pages: each says so (``num_readers``) and names itself, and the lease is released once every one of
+them has ended its READ. A lease that expired or was cancelled refuses
 ``begin_read``, so a READ never copies pages that were freed (and maybe reused). Released requests reach
 the replica through ``wait_released``, a call that returns when there are some.
 """
@@ -18,13 +20,14 @@ import enum
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from actors.memory import SegmentAllocator, SharedSegments
 from actors.nixl_transfer import NixlEndpoint, TransferError, owners_for
 from kv.pool import KVPool
+from kv.rank_info import plan_reads
 from kv.spec import KVLayerSpec
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,9 @@ class Lease:
     state: LeaseState
     timer: asyncio.TimerHandle
     cancel_after_read: bool = False
+    num_readers: int = 1                                   # decode ranks that READ it (set by the first)
+    reading: set[str] = field(default_factory=set)         # readers whose READ runs
+    done: set[str] = field(default_factory=set)            # readers whose READ has ended
 
 
 class KVManagerActor:
@@ -79,13 +85,16 @@ class KVManagerActor:
     def create_segment(self, nbytes: int):
         return self.segments.create(nbytes)
 
-    def attach(self, spaces: Sequence[Sequence[KVLayerSpec]], page_size: int, num_pages: Sequence[int]) -> str:
-        """The worker built its pools over our segments: mirror them, register with NIXL, return RankInfo JSON."""
+    def attach(self, spaces: Sequence[Sequence[KVLayerSpec]], page_size: int, num_pages: Sequence[int],
+               total_kv_heads: dict[str, int] | None = None) -> str:
+        """The worker built its pools over our segments: mirror them, register with NIXL, return RankInfo JSON.
+        ``total_kv_heads``: per layer name, its kv heads over all ranks (this rank holds its share)."""
         allocate = SegmentAllocator(self.segments.tensors)
         device = self.segments.device
         pools = [KVPool(specs, page_size, n, device, allocate) for specs, n in zip(spaces, num_pages)]
         self.segments.unlink()     # both processes have mapped them; nothing is left in /dev/shm on a crash
-        self.endpoint = NixlEndpoint(self.name, pools, tp_size=self.tp_size, tp_rank=self.tp_rank)
+        self.endpoint = NixlEndpoint(self.name, pools, tp_size=self.tp_size, tp_rank=self.tp_rank,
+                                     total_kv_heads=total_kv_heads)
         return self.endpoint.rank_info.to_json()
 
     def rank_info(self) -> str:
@@ -100,6 +109,16 @@ class KVManagerActor:
             self._peer_managers[agent] = peer_kv_manager
         return agent
 
+    def register_peers(self, payloads: Sequence[str], peer_kv_managers: Sequence) -> list[int]:
+        """Register every rank of a peer replica and plan this rank's READs from them (raises
+        PeerMismatchError, with the reason, for a split that cannot be mapped); returns the peer ranks (indices
+        into ``payloads``) this rank READs from."""
+        names = [self.register_peer(payload, kvm) for payload, kvm in zip(payloads, peer_kv_managers)]
+        plan = plan_reads(self.endpoint.rank_info, [self.endpoint.peers[name] for name in names])
+        for index, slices in plan:
+            self.endpoint.set_slices(names[index], slices)
+        return [index for index, _ in plan]
+
     # --- prefill side: leases on held pages ------------------------------------------------------
     async def hold(self, request_id: str, lease_id: str, timeout_s: float | None = None) -> str:
         """Hold a finished prefill's pages for a peer under ``lease_id`` (chosen by the replica, so it need not
@@ -113,8 +132,10 @@ class KVManagerActor:
             self._release(lease_id, "cancelled")
         return lease_id
 
-    async def begin_read(self, lease_id: str, read_timeout_s: float | None = None) -> bool:
-        """A peer is about to READ this lease's pages: True while it is held (then it cannot expire)."""
+    async def begin_read(self, lease_id: str, read_timeout_s: float | None = None, reader: str = "",
+                         num_readers: int = 1) -> bool:
+        """Peer rank ``reader``, one of ``num_readers``, is about to READ this lease's pages: True while they are
+        held (then they cannot expire) and no reader has cancelled them."""
         if lease_id not in self._leases and lease_id not in self._early_cancels and \
                 lease_id not in self._released_leases:
             # The replica sends the hold and the ticket at once: the ticket's READ may overtake the hold.
@@ -124,11 +145,14 @@ class KVManagerActor:
             except asyncio.TimeoutError:
                 self._arrivals.pop(lease_id, None)
         lease = self._leases.get(lease_id)
-        if lease is None or lease.state != LeaseState.HELD:
+        if lease is None or reader in lease.reading or reader in lease.done or lease.cancel_after_read or \
+                (lease.state == LeaseState.READING and num_readers != lease.num_readers):
             self.counts["refused"] += 1
             return False
         lease.timer.cancel()
         lease.state = LeaseState.READING
+        lease.num_readers = num_readers
+        lease.reading.add(reader)
         # Only for a reader that dies mid-READ. A READ never writes here, and a reader past its own timeout has
         # failed the request, so once that has passed (plus a margin) freeing cannot hand anyone foreign KV.
         deadline = self.read_deadline_s if read_timeout_s is None else min(self.read_deadline_s,
@@ -136,10 +160,14 @@ class KVManagerActor:
         lease.timer = asyncio.get_running_loop().call_later(deadline, self._expire, lease_id)
         return True
 
-    async def end_read(self, lease_id: str) -> None:
-        """The peer's READ has ended (done or failed): the pages are free to go."""
+    async def end_read(self, lease_id: str, reader: str = "") -> None:
+        """Peer rank ``reader``'s READ has ended (done or failed): once every reader's has, the pages may go."""
         lease = self._leases.get(lease_id)
-        if lease is not None and lease.state == LeaseState.READING:
+        if lease is None or reader not in lease.reading:
+            return
+        lease.reading.discard(reader)
+        lease.done.add(reader)
+        if len(lease.done) >= lease.num_readers or (lease.cancel_after_read and not lease.reading):
             self._release(lease_id, "cancelled" if lease.cancel_after_read else "read")
 
     async def cancel(self, lease_id: str) -> bool:
@@ -153,9 +181,9 @@ class KVManagerActor:
                 self._early_cancels[lease_id] = loop.call_later(EARLY_CANCEL_TTL_S, self._early_cancels.pop,
                                                                 lease_id, None)
             return False
-        if lease.state == LeaseState.READING:
+        if lease.reading:
             lease.cancel_after_read = True
-        else:
+        else:       # held, or every READ begun so far has ended (a reader failed before beginning its own)
             self._release(lease_id, "cancelled")
         return True
 
@@ -189,14 +217,16 @@ class KVManagerActor:
 
     # --- decode side: READ ----------------------------------------------------------------------
     async def read(self, lease_id: str, peer_name: str, remote_tables: list[list[int]],
-                   local_tables: list[list[int]], transfer_draft_kv: bool = True, timeout_s: float = 10.0) -> dict:
-        """READ one request's pages from the registered peer under its lease; returns stats or raises
-        TransferError. Returns or raises only once the READ can no longer write into ``local_tables``."""
+                   local_tables: list[list[int]], transfer_draft_kv: bool = True, timeout_s: float = 10.0,
+                   num_readers: int = 1) -> dict:
+        """READ one request's pages (or this rank's kv-head slices of them) from the registered peer under its
+        lease, one of ``num_readers`` ranks reading it; returns stats or raises TransferError. Returns or raises
+        only once the READ can no longer write into ``local_tables``."""
         start = time.perf_counter()
         peer_kv_manager = self._peer_managers.get(peer_name)
         if peer_kv_manager is None:
             raise TransferError(f"{peer_name} was not registered with its KV manager")
-        if not await peer_kv_manager.begin_read.remote(lease_id, timeout_s):
+        if not await peer_kv_manager.begin_read.remote(lease_id, timeout_s, self.name, num_readers):
             raise TransferError(f"the prefill hold {lease_id} at {peer_name} expired or was cancelled before "
                                 "its READ")
         read_start = time.perf_counter()
@@ -205,7 +235,7 @@ class KVManagerActor:
                                                            owners_for(transfer_draft_kv), timeout_s,
                                                            self.read_delay_s)
         finally:
-            peer_kv_manager.end_read.remote(lease_id)
+            peer_kv_manager.end_read.remote(lease_id, self.name)
         end = time.perf_counter()
         # seconds: the NIXL READ alone; lease_seconds: the lease check before it (one call to the peer)
         return {"bytes": nbytes, "descriptors": descriptors, "seconds": end - read_start,

@@ -3,16 +3,25 @@
 The agent runs without NIXL's progress thread (it spins a core) and with UCX error handling off, so a
 READ needs no progress from the side it reads: the prefill rank stays idle while a decode rank READs.
 The reader drives progress by polling its transfer, backing off, from its own event loop.
+
+Between replicas of different TP sizes a rank READs kv-head slices (``kv.rank_info.plan_reads``). A page keeps a
+layer's K (then V) token-major, ``[page_size, kv_heads, head_dim]``, so a slice of heads is not contiguous in a
+page: it is one fragment per token, layer and K/V, of (heads in the slice) x head_dim x element size bytes,
+built with numpy and coalesced where both sides are contiguous (whole rows: a replicated head, or equal heads).
+A head-major page layout would make it one fragment per page and layer; the attention kernels read this one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
 
 from kv.pool import KVPool
-from kv.rank_info import RankInfo, check_peer, describe_pools
+from kv.rank_info import HeadSlice, RankInfo, check_peer, describe_pools, shared_slices
 from kv.spec import LayerOwner
 
 
@@ -27,7 +36,8 @@ def owners_for(transfer_draft_kv: bool) -> tuple[LayerOwner, ...]:
 class NixlEndpoint:
     """One NIXL agent over one rank's pools; used from one thread (its KV manager's event loop)."""
 
-    def __init__(self, name: str, pools: Sequence[KVPool], *, tp_size: int = 1, tp_rank: int = 0):
+    def __init__(self, name: str, pools: Sequence[KVPool], *, tp_size: int = 1, tp_rank: int = 0,
+                 total_kv_heads: Mapping[str, int] | None = None):
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = name
@@ -41,8 +51,13 @@ class NixlEndpoint:
         self._registered = self.agent.register_memory(regions, self.memory_type)
         self.rank_info = describe_pools(self.pools, tp_size=tp_size, tp_rank=tp_rank, device_id=self.device_id,
                                         memory_type=self.memory_type, agent_name=name,
-                                        agent_metadata=self.agent.get_agent_metadata())
+                                        agent_metadata=self.agent.get_agent_metadata(),
+                                        total_kv_heads=total_kv_heads)
         self.peers: dict[str, RankInfo] = {}
+        # Per peer: the kv-head slices this rank READs from it; None: whole pages (equal TP size).
+        self.slices: dict[str, tuple[HeadSlice, ...] | None] = {}
+        self._geometry = layer_geometry(self.rank_info)
+        self._peer_geometry: dict[str, dict[str, LayerGeometry]] = {}
 
     def add_peer(self, payload: str) -> str:
         """Check a peer's RankInfo and load its agent metadata; returns its agent name."""
@@ -51,9 +66,19 @@ class NixlEndpoint:
         if peer.agent_name not in self.peers:
             self.agent.add_remote_agent(peer.agent_metadata)
         self.peers[peer.agent_name] = peer
+        self._peer_geometry[peer.agent_name] = layer_geometry(peer)
+        # Alone, a peer of another TP size gives the heads it shares with this rank; ``plan_reads`` over its
+        # whole replica (``set_slices``) decides which of its ranks each head comes from.
+        self.slices[peer.agent_name] = None if peer.tp_size == self.rank_info.tp_size else \
+            shared_slices(self.rank_info, peer)
         return peer.agent_name
 
+    def set_slices(self, name: str, slices: tuple[HeadSlice, ...] | None) -> None:
+        self.slices[name] = slices
+
     def remove_peer(self, name: str) -> None:
+        self.slices.pop(name, None)
+        self._peer_geometry.pop(name, None)
         if self.peers.pop(name, None) is not None:
             self.agent.remove_remote_agent(name)
 
@@ -89,9 +114,19 @@ class NixlEndpoint:
         if [len(t) for t in remote_tables] != [len(t) for t in local_tables]:
             raise TransferError(f"page counts differ: remote {[len(t) for t in remote_tables]}, "
                                 f"local {[len(t) for t in local_tables]}")
-        local, remote = coalesce(self._regions(self.rank_info, local_tables, owners),
-                                 self._regions(peer, remote_tables, owners))
-        nbytes = sum(length for _, length, _ in local)
+        slices = self.slices.get(peer_name)
+        if slices is None:
+            local, remote = coalesce(self._regions(self.rank_info, local_tables, owners),
+                                     self._regions(peer, remote_tables, owners))
+            nbytes = sum(length for _, length, _ in local)
+        else:
+            wanted = {owner.value for owner in owners}
+            chosen = [s for s in slices if peer.layer_map[s.layer].owner in wanted]
+            local, remote = coalesce_arrays(*slice_regions(chosen, self._geometry, self._peer_geometry[peer_name],
+                                                           local_tables, remote_tables, peer_name))
+            nbytes = int(local[:, 1].sum())
+            if not len(local):
+                return 0, 0
         try:
             local_descs = self.agent.get_xfer_descs(local, self.memory_type)
             remote_descs = self.agent.get_xfer_descs(remote, peer.memory_type)
@@ -123,6 +158,89 @@ class NixlEndpoint:
             self.agent.remove_remote_agent(name)
         self.peers.clear()
         self.agent.deregister_memory(self._registered)
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """Where one layer's pages sit in a rank's registered memory (from its RankInfo)."""
+
+    space: int
+    base: int                  # address of page 0 of the layer's group
+    device: int
+    page_stride: int
+    num_pages: int
+    offset: int                # bytes from a group page's start to this layer's K
+    kv_bytes: int              # bytes of K (equal to V) of one page
+    token_bytes: int           # one token's row: kv heads x head dim x element size
+    head_bytes: int
+
+
+def layer_geometry(info: RankInfo) -> dict[str, LayerGeometry]:
+    """Every layer's geometry in the rank ``info`` describes (its groups list layers in page order)."""
+    layers = info.layer_map
+    out = {}
+    for g in info.groups:
+        per_layer = g.page_stride // len(g.layers)
+        for slot, name in enumerate(g.layers):
+            layer = layers[name]
+            out[name] = LayerGeometry(g.space, g.base_address, g.device_id, g.page_stride, g.num_pages,
+                                      slot * per_layer, per_layer // 2, per_layer // 2 // info.page_size,
+                                      layer.head_dim * layer.element_size)
+    return out
+
+
+def slice_regions(slices: Sequence[HeadSlice], local: Mapping[str, LayerGeometry], remote: Mapping[str, LayerGeometry],
+                  local_tables: Sequence[Sequence[int]], remote_tables: Sequence[Sequence[int]], peer_name: str
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """``(address, length, device)`` rows, local and remote, of every token's head slice of every page pair:
+    ordered page, layer, K/V, token, so that rows adjacent in memory on both sides follow each other."""
+    out_local, out_remote = [], []
+    for space, (ltable, rtable) in enumerate(zip(local_tables, remote_tables)):
+        mine = [s for s in slices if local[s.layer].space == space]
+        if not mine or not ltable:
+            continue
+        lp, rp = np.asarray(ltable, dtype=np.int64), np.asarray(rtable, dtype=np.int64)
+        per_side = []
+        for geometry, pages, head_of in ((local, lp, lambda s: s.local_head), (remote, rp, lambda s: s.remote_head)):
+            first = geometry[mine[0].layer]
+            if pages.min() < 0 or pages.max() >= first.num_pages:
+                raise TransferError(f"a page of {pages.tolist()} is outside space {space} "
+                                    f"({first.num_pages} pages{'' if geometry is local else ' at ' + peer_name})")
+            tokens = np.arange(first.kv_bytes // first.token_bytes, dtype=np.int64)
+            columns = []
+            for s in mine:
+                g = geometry[s.layer]
+                # [K/V, token] offsets inside a page, then one row per page.
+                in_page = g.offset + np.arange(2)[:, None] * g.kv_bytes + tokens[None, :] * g.token_bytes \
+                    + head_of(s) * g.head_bytes
+                columns.append(g.base + pages[:, None, None] * g.page_stride + in_page[None])
+            per_side.append(np.stack(columns, axis=1).reshape(-1))      # [page, slice, K/V, token]
+        shape = (len(lp), len(mine), 2, len(per_side[0]) // (len(lp) * len(mine) * 2))
+        lengths = np.broadcast_to(np.array([s.num_heads * local[s.layer].head_bytes for s in mine])[None, :, None, None],
+                                  shape).reshape(-1)
+        for side, geometry, addresses in ((out_local, local, per_side[0]), (out_remote, remote, per_side[1])):
+            devices = np.broadcast_to(np.array([geometry[s.layer].device for s in mine])[None, :, None, None],
+                                      shape).reshape(-1)
+            side.append(np.stack([addresses, lengths, devices], axis=1))
+    if not out_local:
+        empty = np.zeros((0, 3), dtype=np.int64)
+        return empty, empty
+    return np.concatenate(out_local), np.concatenate(out_remote)
+
+
+def coalesce_arrays(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``coalesce`` for row arrays ``(address, length, device)`` of equal lengths, without a Python loop."""
+    if len(local) < 2:
+        return local, remote
+    ends_l, ends_r = local[:-1, 0] + local[:-1, 1], remote[:-1, 0] + remote[:-1, 1]
+    joins = (ends_l == local[1:, 0]) & (ends_r == remote[1:, 0]) & (local[:-1, 2] == local[1:, 2]) \
+        & (remote[:-1, 2] == remote[1:, 2])
+    starts = np.flatnonzero(np.concatenate([[True], ~joins]))
+    lengths = np.add.reduceat(local[:, 1], starts)
+    merged_l, merged_r = local[starts].copy(), remote[starts].copy()
+    merged_l[:, 1] = lengths
+    merged_r[:, 1] = lengths
+    return merged_l, merged_r
 
 
 def coalesce(local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]]

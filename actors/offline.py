@@ -117,10 +117,10 @@ async def _single(chunk: dict):
 
 
 def generate_offline(mode: str, engine_kwargs: dict, prompts: Sequence[str | Sequence[int]],
-                     params: SamplingParams, *, transfer_draft_kv: bool = True, tp_size: int = 1
-                     ) -> list[RequestOutput]:
-    """Outputs of ``prompts`` from one aggregated replica, or one prefill and one decode replica, each with
-    ``tp_size`` tensor-parallel ranks (disaggregated: TP 1 only, for now)."""
+                     params: SamplingParams, *, transfer_draft_kv: bool = True, tp_size: int = 1,
+                     prefill_tp: int | None = None, decode_tp: int | None = None) -> list[RequestOutput]:
+    """Outputs of ``prompts`` from one aggregated replica of ``tp_size`` tensor-parallel ranks, or one prefill
+    and one decode replica (``prefill_tp`` and ``decode_tp`` ranks, default ``tp_size``)."""
     import ray
 
     from actors.replica import AggregatedReplica, DecodeReplica, PrefillReplica
@@ -129,10 +129,9 @@ def generate_offline(mode: str, engine_kwargs: dict, prompts: Sequence[str | Seq
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     config = EngineConfig(**engine_kwargs)
-    check_tensor_parallel(config, tp_size)          # before Ray starts: a bad TP size fails at once
-    if mode == "disagg" and tp_size > 1:
-        raise NotImplementedError(f"--mode disagg with --tp {tp_size}: disaggregated tensor parallelism needs the "
-                                  "heterogeneous KV transfer (per-rank kv-head slices), not implemented yet")
+    prefill_tp, decode_tp = prefill_tp or tp_size, decode_tp or tp_size
+    for size in {tp_size} if mode == "agg" else {prefill_tp, decode_tp}:
+        check_tensor_parallel(config, size)          # before Ray starts: a bad TP size fails at once
     requests = [(f"req-{i}", ids, params) for i, ids in enumerate(encode_prompts(config.model, prompts))]
     started = ensure_ray()
     replicas = []
@@ -140,8 +139,8 @@ def generate_offline(mode: str, engine_kwargs: dict, prompts: Sequence[str | Seq
         if mode == "agg":
             replicas.append(ReplicaActor(AggregatedReplica, config, tp_size=tp_size))
             return ray.get(replicas[0].handle.generate_all.remote(requests))
-        replicas.append(ReplicaActor(PrefillReplica, config))
-        replicas.append(ReplicaActor(DecodeReplica, config, transfer_draft_kv=transfer_draft_kv))
+        replicas.append(ReplicaActor(PrefillReplica, config, tp_size=prefill_tp))
+        replicas.append(ReplicaActor(DecodeReplica, config, tp_size=decode_tp, transfer_draft_kv=transfer_draft_kv))
         outputs, _ = run_disaggregated(replicas[0], replicas[1], requests)
         return outputs
     finally:

@@ -12,6 +12,7 @@ lease, and the engine starts decoding the request in the step after the READ end
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import dataclasses
 import logging
@@ -230,6 +231,7 @@ class PrefillReplica(EngineReplica):
 
     def __init__(self, config: EngineConfig, **kwargs):
         super().__init__(config, **kwargs)
+        self._releases: dict[str, int] = {}      # request id -> ranks whose lease ended (engine thread only)
         for i, kvm in enumerate(self.group.kv_managers):
             threading.Thread(target=self._release_loop, args=(kvm,), daemon=True, name=f"release-{i}").start()
 
@@ -243,7 +245,17 @@ class PrefillReplica(EngineReplica):
             except Exception:          # the KV manager is gone (shutdown or killed): nothing more to free
                 return
             for request_id in request_ids:
-                self.loop.submit(lambda e, r=request_id: e.release(r))
+                self.loop.submit(lambda e, r=request_id: self._release(e, r))
+
+    def _release(self, engine, request_id: str) -> None:
+        """On the engine thread: free a request's pages once every rank's lease on them has ended (the ranks'
+        pages share rank 0's page ids, and a decode rank may still be reading another rank's)."""
+        ended = self._releases.get(request_id, 0) + 1
+        if ended < len(self.group.kv_managers):
+            self._releases[request_id] = ended
+            return
+        self._releases.pop(request_id, None)
+        engine.release(request_id)
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> dict:
         """``{"ticket": Ticket}`` to continue on a decode replica, or ``{"chunk": ...}`` when the request
@@ -277,8 +289,9 @@ class PrefillReplica(EngineReplica):
             num_pages = -(-len(prompt_token_ids) // self.engine.kv.page_size)
             first = out.token_ids[0]
             tables, first_text = await self.loop.call(lambda e: (
+                e.sync_ranks(),      # ranks > 0 have written their draft layers too before anyone READs them
                 [e.kv.block_table(request_id, s)[:num_pages] for s in range(len(e.kv.pools))],
-                e.first_text_delta(prompt_token_ids, params, first)))
+                e.first_text_delta(prompt_token_ids, params, first))[1:])
             # Sent, not awaited: the ticket goes out now, and a READ that overtakes the hold waits for it.
             leases = [f"{request_id}#{uuid.uuid4().hex[:8]}" for _ in self.group.kv_managers]
             for kvm, lease in zip(self.group.kv_managers, leases):
@@ -302,23 +315,26 @@ class DecodeReplica(EngineReplica):
 
     def __init__(self, config: EngineConfig, **kwargs):
         super().__init__(config, **kwargs)
-        self._peers: set[str] = set()
+        # Per prefill replica (its rank 0's agent): per decode rank, the prefill ranks it READs from.
+        self._plans: dict[str, list[list[int]]] = {}
         self.num_awaiting_transfer = 0
         # Transfers run on an event loop of their own thread.
         self._transfers = asyncio.new_event_loop()
         threading.Thread(target=self._transfers.run_forever, name="transfers", daemon=True).start()
 
-    async def _connect(self, ticket: Ticket) -> None:
-        if ticket.peer_agents[0] in self._peers:
-            return
-        if len(ticket.rank_infos) != len(self.group.kv_managers):
-            raise ValueError(f"the prefill replica has {len(ticket.rank_infos)} ranks, this decode replica "
-                             f"{len(self.group.kv_managers)}")
-        # PeerMismatchError (page size, layer counts, dtypes) propagates: the request fails, naming both values.
+    async def _connect(self, ticket: Ticket) -> list[list[int]]:
+        """Per decode rank, the prefill ranks it READs from (every decode rank registers every prefill rank once
+        per prefill replica)."""
+        plan = self._plans.get(ticket.peer_agents[0])
+        if plan is not None:
+            return plan
+        # PeerMismatchError (page size, layer counts, dtypes, a TP split that cannot be mapped) propagates: the
+        # request fails, naming both values.
         peers = await asyncio.to_thread(lambda: [kv_manager(agent) for agent in ticket.peer_agents])
-        await asyncio.gather(*(kvm.register_peer.remote(info, peer)
-                               for kvm, info, peer in zip(self.group.kv_managers, ticket.rank_infos, peers)))
-        self._peers.add(ticket.peer_agents[0])
+        plan = await asyncio.gather(*(kvm.register_peers.remote(ticket.rank_infos, peers)
+                                      for kvm in self.group.kv_managers))
+        self._plans[ticket.peer_agents[0]] = plan
+        return plan
 
     async def _reserve(self, ticket: Ticket) -> list[list[int]] | None:
         num_pages = -(-len(ticket.prompt_token_ids) // self.engine.kv.page_size)
@@ -327,6 +343,8 @@ class DecodeReplica(EngineReplica):
             if e.reserve_transfer(ticket.prompt_token_ids, ticket.first_token, ticket.params,
                                   request_id=ticket.request_id, first_logprob=ticket.first_logprob) is None:
                 return None
+            # A rank > 0 may still run a forward that writes these pages for the request that held them last.
+            e.sync_ranks()
             return [e.kv.block_table(ticket.request_id, s)[:num_pages] for s in range(len(e.kv.pools))]
 
         deadline = time.monotonic() + self.reserve_timeout_s
@@ -343,7 +361,7 @@ class DecodeReplica(EngineReplica):
         started = False
         try:
             try:
-                await self._connect(ticket)
+                plan = await self._connect(ticket)
                 tables = await self._reserve(ticket)
             except Exception as e:
                 status, kind = (400, "invalid_request_error") if type(e) is ValueError else (500, "server_error")
@@ -355,7 +373,8 @@ class DecodeReplica(EngineReplica):
             stats: dict = {}
             # The transfer runs to its end even if this stream is cancelled (only then may the pages be freed):
             # on the transfers loop, outside this call's Ray task (see ``detached``).
-            self._transfers.call_soon_threadsafe(self._transfers.create_task, self._transfer(ticket, tables, stats),
+            self._transfers.call_soon_threadsafe(self._transfers.create_task,
+                                                 self._transfer(ticket, tables, stats, plan),
                                                  context=contextvars.Context())
             started = True
         finally:
@@ -369,16 +388,26 @@ class DecodeReplica(EngineReplica):
         async for chunk in self._stream(request_id, queue, transfer=stats):
             yield chunk
 
-    async def _transfer(self, ticket: Ticket, tables: list[list[int]], stats: dict) -> None:
+    async def _transfer(self, ticket: Ticket, tables: list[list[int]], stats: dict, plan: list[list[int]]) -> None:
+        """Every decode rank READs from the prefill ranks in its ``plan`` at once (equal TP: rank r from rank r);
+        the request decodes, or fails, once every READ has ended."""
         request_id = ticket.request_id
         self.num_awaiting_transfer += 1
         error: BaseException | None = None
+        readers = collections.Counter(source for sources in plan for source in sources)
+        for source, (agent, lease) in enumerate(zip(ticket.peer_agents, ticket.leases)):
+            if not readers[source]:     # its heads come from another prefill rank holding them too
+                detached(kv_manager(agent).cancel.remote, lease)
         try:
             reads = await asyncio.gather(*(
-                kvm.read.remote(lease, agent, ticket.tables, tables, self.transfer_draft_kv, self.read_timeout_s)
-                for kvm, lease, agent in zip(self.group.kv_managers, ticket.leases, ticket.peer_agents)),
+                kvm.read.remote(ticket.leases[source], ticket.peer_agents[source], ticket.tables, tables,
+                                self.transfer_draft_kv, self.read_timeout_s, readers[source])
+                for kvm, sources in zip(self.group.kv_managers, plan) for source in sources),
                 return_exceptions=True)
             error = next((r for r in reads if isinstance(r, BaseException)), None)
+            if error is not None and len(reads) > 1:
+                # A lease whose other readers ended while one failed before its READ began: give it back now.
+                ticket.cancel()
             if error is None:
                 stats.update(bytes=sum(r["bytes"] for r in reads), seconds=max(r["seconds"] for r in reads),
                              lease_seconds=max(r["lease_seconds"] for r in reads), descriptors=sum(r["descriptors"] for r in reads), tables=tables)

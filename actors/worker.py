@@ -89,10 +89,15 @@ class RankWorker:
             return f"stopped following rank 0 ({self.follow_error!r})"
         return None
 
-    def pool_specs(self) -> tuple[list, int, list[int]]:
-        """What the KV manager needs to mirror the pools: layer specs per space, page size, pages per space."""
+    def pool_specs(self) -> tuple[list, int, list[int], dict[str, int]]:
+        """What the KV manager needs to mirror the pools: layer specs per space, page size, pages per space, and
+        each layer's kv heads over all ranks (its RankInfo says which of them this rank holds)."""
         pools = self.engine.kv.pools
-        return [pool.specs for pool in pools], self.engine.kv.page_size, [pool.num_pages for pool in pools]
+        totals = {LayerOwner.TARGET: self.engine.model.config.num_key_value_heads}
+        if self.engine.speculator is not None:
+            totals[LayerOwner.DRAFT] = self.engine.speculator.drafter.config.num_key_value_heads
+        heads = {spec.name: totals[spec.owner] for pool in pools for spec in pool.specs}
+        return [pool.specs for pool in pools], self.engine.kv.page_size, [pool.num_pages for pool in pools], heads
 
     def page_digest(self, tables: list[list[int]], owners: Sequence[str] = ("target", "draft")) -> str:
         """A hash of the bytes of ``tables``' pages, restricted to ``owners``' layers (tests, benchmarks)."""
@@ -128,11 +133,6 @@ class RankGroup:
         from actors.kv_manager import KVManagerActor
 
         check_tensor_parallel(config, tp_size)
-        if transfers and tp_size > 1:
-            raise NotImplementedError(
-                f"a {role} replica with tensor_parallel_size {tp_size}: disaggregated tensor parallelism needs the "
-                "heterogeneous KV transfer (each rank READs its kv-head slice of the peer ranks' pages, prefill TP "
-                "-> decode TP), which is not implemented yet; run TP > 1 aggregated, or disaggregated with TP 1")
         self.name = f"{role}-{uuid.uuid4().hex[:8]}"
         self.kv_managers = []
         self.rank_infos: list[str] = []
@@ -163,8 +163,10 @@ class RankGroup:
                 ray.kill(rank)
             raise
         if transfers:
-            specs, page_size, num_pages = self.workers[0].pool_specs()
-            self.rank_infos = ray.get([kvm.attach.remote(specs, page_size, num_pages) for kvm in self.kv_managers])
+            # Every rank's pools hold as many heads per layer (its share), so rank 0's specs describe them all.
+            specs, page_size, num_pages, total_kv_heads = self.workers[0].pool_specs()
+            self.rank_infos = ray.get([kvm.attach.remote(specs, page_size, num_pages, total_kv_heads)
+                                       for kvm in self.kv_managers])
 
     def agent_name(self, tp_rank: int) -> str:
         return f"{self.name}-rank{tp_rank}"

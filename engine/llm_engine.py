@@ -13,7 +13,7 @@ import torch
 
 from engine.model import Qwen3Model
 from engine.model_runner import ModelRunner, Row
-from engine.parallel import OP_STOP, OP_TARGET
+from engine.parallel import OP_STOP, OP_SYNC, OP_TARGET
 from engine.sampler import LogitsBlock, LogitsState, adjust_logits, sample, token_logprobs
 from engine.scheduler import ScheduledRequest, Scheduler
 from engine.sequence import Request, RequestStatus, SamplingParams, SpecStats, TokenLogprob
@@ -250,10 +250,20 @@ class LLMEngine:
             message = tp.receive()
             if message.op == OP_STOP:
                 return
-            if message.op == OP_TARGET:
+            if message.op == OP_SYNC:
+                tp.barrier()
+            elif message.op == OP_TARGET:
                 captured = self.runner.follow(message)
             else:
                 self.speculator.follow(message, captured)
+
+    def sync_ranks(self) -> None:
+        """Rank 0: return once every rank has run every forward published so far. Ranks > 0 lag behind rank 0
+        between collectives (a drafter context store has none), and another process is about to read or write
+        their pages (a disaggregated transfer)."""
+        if self.model.tp is not None:
+            self.model.tp.publish(OP_SYNC)
+            self.model.tp.barrier()
 
     def stop_followers(self) -> None:
         """Rank 0: release ranks > 0 from ``follow`` (call when no step runs any more)."""

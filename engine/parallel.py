@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-OP_STOP, OP_TARGET, OP_DRAFT, OP_STORE, OP_CLEAR = range(5)
+from kv.rank_info import kv_head_slice
+
+OP_STOP, OP_TARGET, OP_DRAFT, OP_STORE, OP_CLEAR, OP_SYNC = range(6)
 HEADER_LEN = 64
 # A rank > 0 waits for the next step's header as long as the replica stays idle: no finite timeout fits.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
@@ -59,14 +61,9 @@ class ShardPlan:
         self.tp_size, self.tp_rank, self.head_dim = tp_size, tp_rank, head_dim
         self.num_heads = heads // tp_size
         self.intermediate_size = intermediate // tp_size
-        if kv_heads >= tp_size:
-            self.num_kv_heads = kv_heads // tp_size
-            self.kv_head_start = tp_rank * self.num_kv_heads
-        else:
-            # Fewer kv heads than ranks: as vLLM does, each kv head is replicated on tp_size // kv_heads
-            # consecutive ranks, the ones whose query heads read it; each rank stores its one head's K/V.
-            self.num_kv_heads = 1
-            self.kv_head_start = tp_rank // (tp_size // kv_heads)
+        # Fewer kv heads than ranks: each kv head is replicated on the consecutive ranks whose query heads read
+        # it. One rule with the disaggregated transfer's (kv.rank_info), which READs these slices between TP sizes.
+        self.kv_head_start, self.num_kv_heads = kv_head_slice(kv_heads, tp_size, tp_rank)
         self.vocab_size = vocab
         # Vocab shards are equal (the last one zero-padded) so the logits all-gather moves equal blocks.
         self.vocab_per_rank = -(-vocab // tp_size) if vocab is not None else 0
@@ -135,6 +132,10 @@ class TensorParallel:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         self._device.allgather([parts], [x]).wait()
         return torch.cat(parts, dim=-1)[..., :vocab_size]
+
+    def barrier(self) -> None:
+        """Return once every rank has called it (on the CPU group: it orders work, it moves no data)."""
+        self._cpu.allreduce([torch.zeros(1)]).wait()
 
     # --- rank 0's per-forward message -------------------------------------------------------------
     def publish(self, op: int, ints: Sequence[int] = (), tensors: Sequence[torch.Tensor] = ()) -> None:

@@ -49,9 +49,11 @@ def build_service(service: ServiceConfig) -> Application:
     else:
         backends = {
             "prefill": serve.deployment(PrefillServer, name="PrefillServer").options(
-                **_engine_options(service.prefill, service, transfer=True)).bind(args, hub),
+                **_engine_options(service.prefill, service, transfer=True,
+                                  tp_size=service.tp_size("prefill"))).bind(args, hub),
             "decode": serve.deployment(DecodeServer, name="DecodeServer").options(
-                **_engine_options(service.decode, service, transfer=True)).bind(args, hub),
+                **_engine_options(service.decode, service, transfer=True,
+                                  tp_size=service.tp_size("decode"))).bind(args, hub),
         }
     return serve.deployment(Ingress, name="Ingress").options(**ingress_options).bind(args, hub, **backends)
 

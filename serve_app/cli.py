@@ -68,12 +68,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from actors.offline import generate_offline
 
         kwargs = engine_kwargs(args)
+        if args.mode == "agg" and (args.prefill_tp or args.decode_tp):
+            raise ValueError("--prefill-tp and --decode-tp need --mode disagg (aggregated: --tp)")
         outputs = generate_offline(args.mode, kwargs, prompts, params, transfer_draft_kv=not args.no_transfer_draft_kv,
-                                   tp_size=args.tp)
+                                   tp_size=args.tp, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
         speculative = kwargs["draft"] is not None
     else:
-        if args.tp != 1:
-            raise ValueError(f"--tp {args.tp} needs --mode agg: tensor-parallel ranks run as Ray actors")
+        if args.tp != 1 or args.prefill_tp or args.decode_tp:
+            raise ValueError("--tp, --prefill-tp and --decode-tp need --mode: tensor-parallel ranks run as Ray actors")
         llm = LLM(**engine_kwargs(args))
         outputs = llm.generate(prompts, params)
         speculative = llm.engine.speculator is not None
@@ -108,7 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--mode", choices=["agg", "disagg"], default=None,
                      help="run on a local Ray cluster: one aggregated replica, or one prefill and one decode replica")
     gen.add_argument("--tp", type=int, default=1,
-                     help="tensor-parallel ranks per replica (with --mode agg; disaggregated TP is not implemented)")
+                     help="tensor-parallel ranks per replica (with --mode; disagg: both roles unless set below)")
+    gen.add_argument("--prefill-tp", type=int, default=None,
+                     help="with --mode disagg: tensor-parallel ranks of the prefill replica")
+    gen.add_argument("--decode-tp", type=int, default=None,
+                     help="with --mode disagg: tensor-parallel ranks of the decode replica (each READs its kv-head "
+                          "slices from the prefill ranks holding them)")
     gen.add_argument("--no-transfer-draft-kv", action="store_true",
                      help="with --mode disagg: move target layers only (the ablation: decode drafts from an "
                           "empty drafter context)")

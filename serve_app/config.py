@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -167,13 +168,27 @@ class ServiceConfig(_Strict):
         return getattr(self, role).tensor_parallel_size or self.model.tensor_parallel_size
 
     @model_validator(mode="after")
-    def _disaggregated_tp(self):
-        if self.mode == "disaggregated":
-            for role in self.engine_roles():
-                if self.tp_size(role) != 1:
-                    raise ValueError(f"{role} tensor_parallel_size {self.tp_size(role)}: disaggregated tensor "
-                                     "parallelism (prefill TP -> decode TP, each rank reading its kv-head slice of "
-                                     "the peer's pages) is not implemented yet; use mode aggregated or TP 1")
+    def _tp_splits(self):
+        # Every role's TP size must split the checkpoints' heads; a decode rank then READs its kv-head slices from
+        # whichever prefill ranks hold them, for any pair of such sizes. Checked here when the checkpoints are
+        # readable (else when a replica reads them, before any rank starts), naming the role and the split.
+        from engine.parallel import check_tp_size
+
+        models = []
+        for who, path in (("the target model", self.model.resolved(self.model.model)),
+                          ("the DFlash drafter", self.model.resolved(self.model.draft))):
+            if path is not None and (Path(path) / "config.json").is_file():
+                models.append((who, path, json.loads((Path(path) / "config.json").read_text())))
+        split = " -> ".join(f"{role} {self.tp_size(role)}" for role in self.engine_roles())
+        for role in self.engine_roles():
+            for who, path, c in models:
+                heads = c.get("num_attention_heads", 0)
+                try:
+                    check_tp_size(self.tp_size(role), heads=heads, kv_heads=c.get("num_key_value_heads", heads),
+                                  intermediate=c.get("intermediate_size", 0), who=f"{who} {path}")
+                except ValueError as e:
+                    raise ValueError(f"{role} tensor_parallel_size {self.tp_size(role)} (split {split}) cannot be "
+                                     f"mapped: {e}") from None
         return self
 
 

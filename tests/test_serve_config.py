@@ -58,7 +58,7 @@ def test_ray_cluster_yaml_has_gpu_workers():
 @pytest.mark.parametrize("data,field", [
     ({"model": {"page_size": 0}}, "model.page_size"),
     ({"model": {"kv_cache_dtype": "int3"}}, "model.kv_cache_dtype"),
-    ({"model": {"tensor_parallel_size": 2}}, "tensor_parallel_size"),
+    ({"model": {"tensor_parallel_size": 3}}, "prefill tensor_parallel_size 3"),
     ({"decode": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}}, "decode.autoscaling"),
     ({"decode": {"num_replicas": 2, "autoscaling": {"max_replicas": 2}}}, "decode"),
     ({"prefil": {}}, "prefil"),

@@ -118,11 +118,15 @@ def test_a_tp_size_that_does_not_split_the_heads_is_refused_at_start(tiny_target
     assert main(["generate", "--model", str(tiny_target), "--mode", "agg", "--tp", "3", "--prompt", "x"]) == 2
 
 
-def test_disaggregated_tp_is_refused_naming_the_missing_transfer(tiny_target):
-    with pytest.raises(NotImplementedError, match="heterogeneous KV transfer"):
-        PrefillReplica(EngineConfig(model=str(tiny_target)), tp_size=2)
-    with pytest.raises(ConfigError, match="prefill tensor_parallel_size 2: disaggregated tensor parallelism"):
-        parse_service_config({"model": {"tensor_parallel_size": 2}})
+def test_disaggregated_tp_configs_pass_and_an_unmappable_split_is_refused_naming_it(tiny_target):
+    # The heterogeneous transfer itself is pinned in tests/test_tp_disagg.py.
+    service = parse_service_config({"prefill": {"tensor_parallel_size": 2}, "decode": {"tensor_parallel_size": 1}})
+    assert (service.tp_size("prefill"), service.tp_size("decode")) == (2, 1)
+    with pytest.raises(ConfigError, match=r"decode tensor_parallel_size 3 \(split prefill 2 -> decode 3\) cannot "
+                                          "be mapped: tensor_parallel_size 3 does not divide num_attention_heads 4"):
+        parse_service_config({"prefill": {"tensor_parallel_size": 2}, "decode": {"tensor_parallel_size": 3}})
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide"):
+        PrefillReplica(EngineConfig(model=str(tiny_target)), tp_size=3)
     service = parse_service_config({"mode": "aggregated", "aggregated": {"tensor_parallel_size": 2}})
     assert service.tp_size("aggregated") == 2
 
