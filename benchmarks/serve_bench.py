@@ -132,7 +132,8 @@ def main() -> int:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for mode, name in (("aggregated", "agg"), ("disaggregated", "disagg")):
-            app_args = service_args(target, drafter, mode=mode,
+            # The service's default metrics interval (the tests' 0.2 s reports cost CPU beside the engine).
+            app_args = service_args(target, drafter, mode=mode, metrics_report_interval_s=1.0,
                                     model={"num_pages": 256, "max_model_len": 1024,
                                            "max_num_batched_tokens": 512})   # as the offline engine
             serve.run(build_app(app_args), name=name, route_prefix=f"/{name}")
