@@ -14,6 +14,7 @@ A head-major page layout would make it one fragment per page and layer; the atte
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,14 @@ import numpy as np
 from kv.pool import KVPool
 from kv.rank_info import HeadSlice, RankInfo, check_peer, describe_pools, shared_slices
 from kv.spec import LayerOwner
+
+
+# UCX settings for pools in GPU memory, unless the environment sets them. UCX turns off cuda_ipc's GET
+# (a READ) when it sees no NVLink between the devices, and then stages every READ through host memory (under
+# 1 GB/s measured on an H200); between processes on one GPU, or GPUs behind PCIe, the IPC copy is the fast
+# path. (A UCX_TLS without an active-message transport also needs the error handling mode "none", set below.)
+VRAM_UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+READ_POLL_MAX_S = 1e-3     # the longest wait between two progress calls of a READ in flight
 
 
 class TransferError(RuntimeError):
@@ -44,6 +53,9 @@ class NixlEndpoint:
         self.pools = list(pools)
         self.memory_type = "VRAM" if self.pools[0].device.type == "cuda" else "DRAM"
         self.device_id = self.pools[0].device.index or 0
+        if self.memory_type == "VRAM":
+            for key, value in VRAM_UCX_DEFAULTS.items():
+                os.environ.setdefault(key, value)       # read when the UCX backend starts, just below
         self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
         self.agent.create_backend("UCX", {"ucx_error_handling_mode": "none"})
         regions = [(g.buffer.data_ptr(), g.buffer.numel(), self.device_id, "") for pool in self.pools
@@ -53,6 +65,8 @@ class NixlEndpoint:
                                         memory_type=self.memory_type, agent_name=name,
                                         agent_metadata=self.agent.get_agent_metadata(),
                                         total_kv_heads=total_kv_heads)
+        self.poll_max_s = READ_POLL_MAX_S
+        self.max_descriptor_bytes = 0          # > 0: split larger coalesced regions into descriptors of this size
         self.peers: dict[str, RankInfo] = {}
         # Per peer: the kv-head slices this rank READs from it; None: whole pages (equal TP size).
         self.slices: dict[str, tuple[HeadSlice, ...] | None] = {}
@@ -118,6 +132,9 @@ class NixlEndpoint:
         if slices is None:
             local, remote = coalesce(self._regions(self.rank_info, local_tables, owners),
                                      self._regions(peer, remote_tables, owners))
+            if self.max_descriptor_bytes:
+                local, remote = split_regions(local, self.max_descriptor_bytes), \
+                    split_regions(remote, self.max_descriptor_bytes)
             nbytes = sum(length for _, length, _ in local)
         else:
             wanted = {owner.value for owner in owners}
@@ -142,8 +159,8 @@ class NixlEndpoint:
             while state == "PROC":
                 if time.monotonic() > deadline:
                     raise TransferError(f"READ from {peer_name} did not finish within {timeout_s:.1f}s")
-                # Back off from 20 us to 1 ms: fast READs end at once, long ones cost few wake-ups.
-                wait = min(max(2 * wait, 2e-5), 1e-3)
+                # Back off from 20 us to ``poll_max_s``: fast READs end at once, long ones cost few wake-ups.
+                wait = min(max(2 * wait, 2e-5), self.poll_max_s)
                 await asyncio.sleep(wait)
                 state = self.agent.check_xfer_state(handle)
             if state != "DONE":
@@ -241,6 +258,15 @@ def coalesce_arrays(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, 
     merged_l[:, 1] = lengths
     merged_r[:, 1] = lengths
     return merged_l, merged_r
+
+
+def split_regions(regions: Sequence[tuple[int, int, int]], size: int) -> list[tuple[int, int, int]]:
+    """``(address, length, device)`` regions cut into pieces of at most ``size`` bytes, in order."""
+    out = []
+    for address, length, device in regions:
+        for start in range(0, length, size):
+            out.append((address + start, min(size, length - start), device))
+    return out
 
 
 def coalesce(local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]]

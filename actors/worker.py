@@ -25,6 +25,9 @@ from kv.spec import LayerOwner
 
 HEALTH_PING_TIMEOUT_S = 5.0
 KV_MANAGER_NAMESPACE = "dflash"     # KV manager actors are named by their NIXL agent, here
+# On a GPU a rank's KV manager takes this share of the rank's GPU (it only holds the pool, allocated once): Ray then
+# shows it the same device as its worker, which maps the pool through CUDA IPC. The worker takes the rest.
+KV_MANAGER_GPU_SHARE = 0.1
 
 
 def build_engine(config: EngineConfig, allocate=None, tp: TensorParallel | None = None):
@@ -141,7 +144,7 @@ class RankGroup:
             gpu = torch.device(config.device).type == "cuda"
             for tp_rank in range(tp_size):
                 self.kv_managers.append(ray.remote(KVManagerActor).options(
-                    name=self.agent_name(tp_rank), namespace=KV_MANAGER_NAMESPACE, num_cpus=0, num_gpus=0.1 if gpu else 0, scheduling_strategy=_beside_me(tp_rank), max_restarts=0,
+                    name=self.agent_name(tp_rank), namespace=KV_MANAGER_NAMESPACE, num_cpus=0, num_gpus=KV_MANAGER_GPU_SHARE if gpu else 0, scheduling_strategy=_beside_me(tp_rank), max_restarts=0,
                 ).remote(self.agent_name(tp_rank), device=config.device, tp_size=tp_size, tp_rank=tp_rank,
                          hold_timeout_s=hold_timeout_s, num_threads=num_threads, read_delay_s=read_delay_s))
         address = None
@@ -150,7 +153,7 @@ class RankGroup:
             gpu = torch.device(config.device).type == "cuda"
             for tp_rank in range(1, tp_size):
                 self.remote_ranks.append(ray.remote(RankWorker).options(
-                    num_cpus=0, num_gpus=0.9 if gpu else 0, scheduling_strategy=_beside_me(tp_rank), max_restarts=0,
+                    num_cpus=0, num_gpus=1 - KV_MANAGER_GPU_SHARE if gpu else 0, scheduling_strategy=_beside_me(tp_rank), max_restarts=0,
                 ).remote(config, self.kv_managers[tp_rank] if transfers else None, num_threads=num_threads,
                          tp_size=tp_size, tp_rank=tp_rank, tp_address=address))
         try:

@@ -54,6 +54,12 @@ def median_ms(values) -> float:
 class BenchKVManager(KVManagerActor):
     """The KV manager plus what only this benchmark asks of it: fill its pool bytes and sum some pages'."""
 
+    def set_poll(self, max_s: float) -> None:
+        self.endpoint.poll_max_s = max_s
+
+    def set_max_descriptor_bytes(self, size: int) -> None:
+        self.endpoint.max_descriptor_bytes = size
+
     def fill(self, value: int) -> None:
         for tensor in self.segments.tensors:
             tensor.fill_(value)

@@ -251,6 +251,7 @@ class LLMEngine:
             if message.op == OP_STOP:
                 return
             if message.op == OP_SYNC:
+                self._sync_device()
                 tp.barrier()
             elif message.op == OP_TARGET:
                 captured = self.runner.follow(message)
@@ -258,12 +259,21 @@ class LLMEngine:
                 self.speculator.follow(message, captured)
 
     def sync_ranks(self) -> None:
-        """Rank 0: return once every rank has run every forward published so far. Ranks > 0 lag behind rank 0
-        between collectives (a drafter context store has none), and another process is about to read or write
-        their pages (a disaggregated transfer)."""
+        """Rank 0: return once every rank has run every forward published so far and its device has finished
+        their writes, because another process is about to read or write their pages (a disaggregated transfer).
+        Ranks > 0 lag behind rank 0 between collectives (a drafter context store has none), and a GPU runs
+        the kernels of a step after the host has moved on: the drafter's context store, launched after the
+        step's tokens came back, may still be writing a page that a READ is about to copy (prefill) or that
+        was freed and is about to be overwritten by one (decode)."""
         if self.model.tp is not None:
             self.model.tp.publish(OP_SYNC)
+        self._sync_device()
+        if self.model.tp is not None:
             self.model.tp.barrier()
+
+    def _sync_device(self) -> None:
+        if self.model.device.type == "cuda":
+            torch.cuda.current_stream(self.model.device).synchronize()
 
     def stop_followers(self) -> None:
         """Rank 0: release ranks > 0 from ``follow`` (call when no step runs any more)."""

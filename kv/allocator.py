@@ -1,10 +1,18 @@
-"""Page allocator: reference counts, a free list, and a prefix cache of full pages with LRU eviction."""
+"""Page allocator: reference counts, free pages kept as runs, and a prefix cache of full pages with LRU eviction.
+
+Pages with adjacent ids are adjacent in every pool buffer (``kv.pool``), so a request whose pages form runs
+moves with one NIXL descriptor per run and group instead of one per page. The allocator therefore hands out
+contiguous runs where it can: a request's next pages right after its last one, a prompt's pages from the
+smallest free run that holds them all (best fit keeps large runs for large prompts).
+"""
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 
 def chain_hash(parent: int | None, tokens: Sequence[int]) -> int:
@@ -27,7 +35,8 @@ class PageAllocator:
         self.num_pages = num_pages
         self.hash_fn = hash_fn
         self.ref_counts = [0] * num_pages
-        self._free: deque[int] = deque(range(num_pages))
+        self._is_free = np.ones(num_pages, dtype=bool)            # free and not cached
+        self._num_free = num_pages
         self._evictable: OrderedDict[int, None] = OrderedDict()   # cached pages with ref count 0, LRU first
         self._cached: dict[int, CachedPage] = {}                  # page id -> cache entry
         self._by_hash: dict[int, int] = {}                        # page hash -> page id
@@ -40,22 +49,57 @@ class PageAllocator:
     @property
     def num_available(self) -> int:
         """Pages that an allocation can take now: free ones and evictable cached ones."""
-        return len(self._free) + len(self._evictable)
+        return self._num_free + len(self._evictable)
+
+    @property
+    def num_free(self) -> int:
+        """Pages neither in use nor cached."""
+        return self._num_free
 
     # --- allocation -----------------------------------------------------------------------------
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """``n`` pages, free ones first (as few runs as possible, starting at ``after + 1`` when that page is
+        free: a request's next pages continue its last one), then the least recently used cached ones."""
         if n > self.num_available:
             raise MemoryError(f"asked for {n} KV pages, {self.num_available} available")
-        pages = []
-        for _ in range(n):
-            if self._free:
-                page = self._free.popleft()
-            else:
-                page, _ = self._evictable.popitem(last=False)
-                self._uncache(page)
-            self.ref_counts[page] = 1
+        pages = self._take_free(min(n, self._num_free), None if after is None else after + 1)
+        while len(pages) < n:
+            page, _ = self._evictable.popitem(last=False)
+            self._uncache(page)
             pages.append(page)
+        for page in pages:
+            self.ref_counts[page] = 1
         return pages
+
+    def _take_free(self, n: int, start: int | None) -> list[int]:
+        if n == 0:
+            return []
+        free = self._is_free
+        if start is not None and start + n <= self.num_pages and free[start:start + n].all():
+            pages = list(range(start, start + n))
+        elif n == 1:
+            pages = [int(np.argmax(free))]          # the lowest free page, without building the runs
+        else:
+            edges = np.flatnonzero(np.diff(free.view(np.int8), prepend=0, append=0))
+            starts, lengths = edges[0::2], edges[1::2] - edges[0::2]
+            fits = np.flatnonzero(lengths >= n)
+            if len(fits):                           # the smallest run that holds them all
+                best = fits[np.argmin(lengths[fits])]
+                pages = list(range(int(starts[best]), int(starts[best]) + n))
+            else:                                   # the longest runs first: the fewest pieces
+                pages = []
+                for run in np.argsort(-lengths, kind="stable"):
+                    take = min(int(lengths[run]), n - len(pages))
+                    pages.extend(range(int(starts[run]), int(starts[run]) + take))
+                    if len(pages) == n:
+                        break
+        free[pages] = False
+        self._num_free -= n
+        return pages
+
+    def _release_free(self, page: int) -> None:
+        self._is_free[page] = True
+        self._num_free += 1
 
     def share(self, page: int) -> None:
         """Take one more reference on a page in use or on a cached page."""
@@ -77,7 +121,7 @@ class PageAllocator:
                 if page in self._cached:
                     self._evictable[page] = None
                 else:
-                    self._free.append(page)
+                    self._release_free(page)
 
     # --- prefix cache ---------------------------------------------------------------------------
     def lookup(self, parent_hash: int | None, tokens: Sequence[int]) -> tuple[int, CachedPage] | None:
@@ -115,7 +159,7 @@ class PageAllocator:
         """Forget every cached page (evictable ones become free)."""
         for page in list(self._evictable):
             self._uncache(page)
-            self._free.append(page)
+            self._release_free(page)
         self._evictable.clear()
         for page in list(self._cached):
             self._uncache(page)

@@ -141,7 +141,9 @@ class KVCacheManager:
             for page in shared:
                 alloc.share(page)
             state.tables[space].extend(shared)
-            state.tables[space].extend(alloc.allocate(new))
+            table = state.tables[space]
+            # Right after the request's last page where free: its pages stay one run (one READ descriptor).
+            table.extend(alloc.allocate(new, after=table[-1] if table else None))
         return True
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_target_tokens: int,

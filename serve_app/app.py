@@ -8,6 +8,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
+from actors.worker import KV_MANAGER_GPU_SHARE
 from serve_app.config import DeploymentSettings, ServiceConfig, parse_service_config
 
 DEFAULT_APP_NAME = "dflash"
@@ -22,7 +23,7 @@ def _engine_options(settings: DeploymentSettings, service: ServiceConfig, transf
         options["placement_group_bundles"] = [{"CPU": settings.num_cpus, "GPU": settings.num_gpus}] + \
             [{"GPU": 1}] * (tp_size - 1)
         options["placement_group_strategy"] = "STRICT_PACK"
-        options["ray_actor_options"]["num_gpus"] = settings.num_gpus - 0.1
+        options["ray_actor_options"]["num_gpus"] = settings.num_gpus - KV_MANAGER_GPU_SHARE
     options["ray_actor_options"]["runtime_env"] = {"env_vars": {
         "OMP_NUM_THREADS": str(service.model.num_threads), "TOKENIZERS_PARALLELISM": "false"}}
     # Streams outlive Serve's default graceful-shutdown wait; let replicas finish them when scaling down.

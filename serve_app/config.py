@@ -168,6 +168,24 @@ class ServiceConfig(_Strict):
         return getattr(self, role).tensor_parallel_size or self.model.tensor_parallel_size
 
     @model_validator(mode="after")
+    def _gpu_shares(self):
+        # A replica on a GPU needs a share of one; beside it, a replica whose pages move (or whose ranks are more
+        # than one) runs a KV manager per rank that takes KV_MANAGER_GPU_SHARE of that share. Several replicas
+        # may share one GPU (e.g. 0.5 each for a prefill and a decode replica on a single GPU).
+        if not self.model.device.startswith("cuda"):
+            return self
+        from actors.worker import KV_MANAGER_GPU_SHARE
+
+        for role in self.engine_roles():
+            gpus = getattr(self, role).num_gpus
+            managed = self.mode == "disaggregated" or self.tp_size(role) > 1
+            if gpus <= (KV_MANAGER_GPU_SHARE if managed else 0) or gpus > 1:
+                least = f"more than {KV_MANAGER_GPU_SHARE} (its KV manager takes that share)" if managed else "above 0"
+                raise ValueError(f"model.device is {self.model.device}: {role}.num_gpus must be {least} and at most "
+                                 f"1 (a replica's rank 0 runs on one GPU), got {gpus}")
+        return self
+
+    @model_validator(mode="after")
     def _tp_splits(self):
         # Every role's TP size must split the checkpoints' heads; a decode rank then READs its kv-head slices from
         # whichever prefill ranks hold them, for any pair of such sizes. Checked here when the checkpoints are

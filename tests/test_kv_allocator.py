@@ -31,16 +31,22 @@ class AllocatorModel(RuleBasedStateMachine):
         return [p for p in range(NUM_PAGES) if self.refs[p] > 0]
 
     # --- rules ----------------------------------------------------------------------------------
-    @rule(n=st.integers(0, NUM_PAGES + 1))
-    def allocate(self, n):
+    @rule(n=st.integers(0, NUM_PAGES + 1), after=st.none() | st.integers(0, NUM_PAGES - 1))
+    def allocate(self, n, after):
         free = [p for p in range(NUM_PAGES) if self.refs[p] == 0 and p not in self.entries]
         if n > len(free) + len(self.lru):
             with pytest.raises(MemoryError):
-                self.alloc.allocate(n)
+                self.alloc.allocate(n, after=after)
             return
-        pages = self.alloc.allocate(n)
+        pages = self.alloc.allocate(n, after=after)
         assert len(set(pages)) == n
         assert all(self.refs[p] == 0 for p in pages), "handed out a page in use"
+        # Runs: right after ``after`` when those pages are free, else one run whenever a free run holds them all.
+        wanted = list(range(after + 1, after + 1 + n)) if after is not None else []
+        if wanted and all(p in free for p in wanted):
+            assert pages == wanted
+        elif 0 < n <= len(free) and any(all(p in free for p in range(s, s + n)) for s in range(NUM_PAGES - n + 1)):
+            assert pages == list(range(pages[0], pages[0] + n)), f"{pages} is not one run"
         # Free pages go first; only then the least recently used unreferenced cached pages.
         num_evicted = max(0, n - len(free))
         assert sorted(p for p in pages if p in self.entries) == sorted(self.lru[:num_evicted])
@@ -197,3 +203,26 @@ def test_a_colliding_hash_never_returns_a_page_of_other_tokens():
     assert alloc.lookup(None, [5, 6]) is None
     assert alloc.lookup(0, [1, 2]) is None          # right tokens, wrong parent
     assert alloc.lookup(0, [3, 4]) is None          # b lost the hash to a: never cached
+
+
+def test_a_prompt_gets_one_run_after_churn_the_smallest_that_fits():
+    alloc = PageAllocator(32)
+    a, b, c, d = (alloc.allocate(n) for n in (4, 6, 3, 8))
+    alloc.free(b)                        # a hole of 6 at 4..9
+    alloc.free(d)                        # with the tail: a hole of 19 at 13..31
+    assert alloc.allocate(5) == [4, 5, 6, 7, 8]          # best fit: the 6-hole, not the tail
+    assert alloc.allocate(7) == list(range(13, 20))      # the only run that fits
+    alloc.free(a)                                        # 0..3 free; 9 and 20..31 free
+    # No run of 17: the longest runs first (12 at 20..31, then 4 at 0..3, then page 9).
+    assert alloc.allocate(17) == list(range(20, 32)) + [0, 1, 2, 3] + [9]
+
+
+def test_a_request_grows_right_after_its_last_page_when_free():
+    alloc = PageAllocator(16)
+    first = alloc.allocate(2)                            # 0, 1
+    other = alloc.allocate(2)                            # 2, 3
+    assert alloc.allocate(2, after=first[-1]) == [4, 5]  # 2 is taken: a run elsewhere
+    alloc.free(other)
+    assert alloc.allocate(2, after=first[-1]) == [2, 3]  # free again: the request's run goes on
+    assert alloc.allocate(1, after=5) == [6]
+    assert alloc.allocate(1, after=15) == [7]            # past the end: the lowest free page

@@ -531,3 +531,25 @@ def test_manager_refuses_mismatched_page_sizes():
     with pytest.raises(ValueError):
         KVCacheManager([KVPool(target_specs(), 2, 4), KVPool(draft_specs(), 4, 4)])
     assert isinstance(make_manager("unified").probe_prefix([1]), PrefixHit)
+
+
+def runs(pages):
+    return sum(1 for i, p in enumerate(pages) if i == 0 or p != pages[i - 1] + 1)
+
+
+def test_a_request_pages_come_in_runs_one_per_chunk_at_worst():
+    """A transfer moves one region per run of pages and pool group (one READ descriptor each): a request grows
+    right after its last page where that is free, and a prompt takes the smallest free run that holds it."""
+    kv = make_manager("unified", num_pages=64, enable_prefix_caching=False)
+    for step in range(1, 5):                     # one request's chunks of 4 pages: one run
+        assert kv.allocate_slots("a", step * 4 * PS)
+    assert runs(kv.block_table("a", 0)) == 1
+    for step in range(1, 5):                     # two requests' chunks interleaved: a run per chunk at worst
+        assert kv.allocate_slots("b", step * 4 * PS)
+        assert kv.allocate_slots("c", step * 4 * PS)
+    assert runs(kv.block_table("b", 0)) <= 4 and runs(kv.block_table("c", 0)) <= 4
+    kv.free("a")
+    assert kv.allocate_slots("d", 10 * PS)       # a 10-page prompt at once: into the 16-page hole "a" left
+    assert kv.block_table("d", 0) == list(range(0, 10))
+    assert kv.allocate_slots("d", 12 * PS)       # and it grows in place
+    assert runs(kv.block_table("d", 0)) == 1

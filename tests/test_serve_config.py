@@ -8,7 +8,7 @@ import yaml
 from serve_app.config import ConfigError, ServiceConfig, load_config_file, parse_service_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "cluster_configs"
-SERVE_CONFIGS = ["local_cpu.yaml", "agg_gpu.yaml", "disagg_1p1d_gpu.yaml", "disagg_2p1d_gpu.yaml"]
+SERVE_CONFIGS = ["local_cpu.yaml", "agg_gpu.yaml", "disagg_1p1d_gpu.yaml", "disagg_2p1d_gpu.yaml", "disagg_1gpu.yaml"]
 
 
 def test_every_yaml_in_cluster_configs_parses():
@@ -20,14 +20,18 @@ def test_every_yaml_in_cluster_configs_parses():
 
 @pytest.mark.parametrize("name,mode,prefill,decode", [
     ("local_cpu.yaml", "disaggregated", 1, 1), ("agg_gpu.yaml", "aggregated", None, None),
-    ("disagg_1p1d_gpu.yaml", "disaggregated", 1, "auto"), ("disagg_2p1d_gpu.yaml", "disaggregated", 2, 1)])
+    ("disagg_1p1d_gpu.yaml", "disaggregated", 1, "auto"), ("disagg_2p1d_gpu.yaml", "disaggregated", 2, 1),
+    ("disagg_1gpu.yaml", "disaggregated", 1, 1)])
 def test_serve_configs_load_through_the_service_models(name, mode, prefill, decode):
     service, http = load_config_file(CONFIGS / name)
     assert service.mode == mode
     if prefill is not None:
         assert service.prefill.serve_options()["num_replicas"] == prefill
         assert service.decode.serve_options()["num_replicas"] == decode
-    if "gpu" in name:
+    if name == "disagg_1gpu.yaml":      # the single-GPU development config: one GPU shared, local only
+        assert service.model.device == "cuda" and http.host == "127.0.0.1"
+        assert service.prefill.num_gpus + service.decode.num_gpus == 1
+    elif "gpu" in name:
         assert service.model.device == "cuda" and http.host == "0.0.0.0"
         assert service.model.kv_cache_dtype == "fp8" and service.model.draft_kv_cache_dtype == "bf16"
     else:
@@ -90,3 +94,29 @@ def test_defaults_are_the_demo_pair_disaggregated():
     service = ServiceConfig()
     assert service.mode == "disaggregated" and service.model.model.endswith("models/demo/target")
     assert service.engine_roles() == ("prefill", "decode")
+
+
+@pytest.mark.parametrize("mode,role,gpus,ok", [
+    ("disaggregated", "decode", 0.5, True), ("disaggregated", "decode", 0.1, False),   # all of it the KV manager's
+    ("disaggregated", "prefill", 0, False), ("disaggregated", "prefill", 2, False),
+    ("aggregated", "aggregated", 0.05, True), ("aggregated", "aggregated", 0, False)])
+def test_a_gpu_replica_needs_a_share_of_a_gpu_beyond_its_kv_managers(mode, role, gpus, ok):
+    data = {"mode": mode, "model": {"device": "cuda"}, "prefill": {"num_gpus": 0.5}, "decode": {"num_gpus": 0.5},
+            "aggregated": {"num_gpus": 1}}
+    data[role] = {"num_gpus": gpus}
+    if ok:
+        assert getattr(parse_service_config(data), role).num_gpus == gpus
+    else:
+        with pytest.raises(ConfigError, match=f"{role}.num_gpus must be"):
+            parse_service_config(data)
+
+
+def test_the_gpu_options_give_the_kv_manager_its_share_of_the_replicas_bundle():
+    from serve_app.app import _engine_options
+
+    service, _ = load_config_file(CONFIGS / "disagg_1gpu.yaml")
+    options = _engine_options(service.decode, service, transfer=True)
+    # The replica and its KV manager in one bundle of half a GPU: Ray gives both the same device.
+    assert options["placement_group_bundles"] == [{"CPU": 2, "GPU": 0.5}]
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+    assert options["ray_actor_options"]["num_gpus"] == pytest.approx(0.4)

@@ -5,7 +5,6 @@ same without the draft-layer transfer), requests one at a time so every engine s
 """
 
 import json
-import time
 from pathlib import Path
 
 import httpx
@@ -13,7 +12,7 @@ import pytest
 from ray import serve
 
 from serve_app.app import build_app
-from tests.test_serve_support import free_port, wait_healthy
+from tests.test_serve_support import free_port, greedy_completion, wait_healthy, wait_pages_free
 
 pytestmark = pytest.mark.ray
 
@@ -47,24 +46,8 @@ def heldout_prompts(n: int = 4) -> list[str]:
     return [json.loads(line)["prompt"] for line in lines[:n]]
 
 
-def complete(url: str, prompt: str) -> tuple[list[int], list[int]]:
-    """Greedy token ids and per-step acceptance lengths of one request (the response's usage)."""
-    body = {"model": "demo", "prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    data = r.json()
-    assert data["usage"]["completion_tokens"] == 40
-    return data["choices"][0]["token_ids"], data["usage"]["spec_decode"]["acceptance_lengths"][0]
-
-
-def pages_in_use(url: str) -> float:
-    from tests.test_serve_support import metric_samples, metric_sum
-    return metric_sum(metric_samples(httpx.get(f"{url}/metrics", timeout=30).text), "dflash_kv_pages_in_use")
-
-
 def test_disaggregated_equals_aggregated_and_the_ablation_lowers_acceptance_over_http(demo_service):
-    results = {name: [complete(f"{demo_service}/{name}", p) for p in heldout_prompts()] for name in APPS}
+    results = {name: [greedy_completion(f"{demo_service}/{name}", p) for p in heldout_prompts()] for name in APPS}
     agg, disagg, ablate = results["agg"], results["disagg"], results["ablate"]
     assert [tokens for tokens, _ in disagg] == [tokens for tokens, _ in agg]
     assert [als for _, als in disagg] == [als for _, als in agg]          # per step, not only on average
@@ -76,7 +59,4 @@ def test_disaggregated_equals_aggregated_and_the_ablation_lowers_acceptance_over
 
     assert mean_al(agg) > 2.0                          # a trained drafter
     assert mean_al(ablate) < mean_al(disagg) - 0.05    # the problem the unified pool solves
-    deadline = time.monotonic() + 10
-    while any(pages_in_use(f"{demo_service}/{name}") for name in APPS) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert [pages_in_use(f"{demo_service}/{name}") for name in APPS] == [0, 0, 0]
+    assert wait_pages_free([f"{demo_service}/{name}" for name in APPS]) == [0, 0, 0]

@@ -90,3 +90,29 @@ def metric_samples(text: str) -> dict[tuple[str, tuple], float]:
 def metric_sum(samples: dict, name: str, **labels) -> float:
     return sum(v for (n, ls), v in samples.items() if n == name and all(dict(ls).get(k) == v2
                                                                           for k, v2 in labels.items()))
+
+
+def greedy_completion(url: str, prompt: str, max_tokens: int = 40, model: str = "demo") -> tuple[list[int], list[int]]:
+    """Greedy token ids and per-step acceptance lengths of one request (from the response's ``usage``)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    if r.status_code != 200:
+        raise AssertionError(f"{url}: HTTP {r.status_code}: {r.text}")
+    data = r.json()
+    if data["usage"]["completion_tokens"] != max_tokens:
+        raise AssertionError(f"{url}: {data['usage']['completion_tokens']} tokens, not {max_tokens}")
+    return data["choices"][0]["token_ids"], data["usage"]["spec_decode"]["acceptance_lengths"][0]
+
+
+def pages_in_use(url: str) -> float:
+    """KV pages in use over every engine replica of the application at ``url`` (its /metrics)."""
+    return metric_sum(metric_samples(httpx.get(f"{url}/metrics", timeout=30).text), "dflash_kv_pages_in_use")
+
+
+def wait_pages_free(urls: list[str], timeout_s: float = 10.0) -> list[float]:
+    """Pages in use per application once they are all 0, or when ``timeout_s`` ran out (metrics lag a report)."""
+    deadline = time.monotonic() + timeout_s
+    while any(pages_in_use(u) for u in urls) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [pages_in_use(u) for u in urls]

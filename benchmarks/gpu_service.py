@@ -1,0 +1,366 @@
+"""The disaggregated service on one GPU: Ray actors, pools in GPU memory, NIXL READs over CUDA IPC, real HTTP.
+
+    python benchmarks/gpu_service.py --out out/gpu_service          # on a machine with a GPU, Ray and NIXL
+
+Three parts, in one Ray cluster on the machine, each printing a table (and all of it in ``--out``/result.json):
+
+1. ``pages``: page READs between two KV-manager actors whose pools are in GPU memory and registered with NIXL
+   as VRAM, in Qwen3-8B-shaped pools (36 FP8 target layers + 5 BF16 draft layers, 8 kv heads x 128, page 16),
+   for the pages of a 2,000-token and a 32k-token prompt, contiguous (one descriptor per pool group) and, for
+   the short prompt, scattered (every other page: one descriptor per page and group). Against the floor: a
+   device-to-device copy of the same bytes in one process, timed in the same run.
+2. ``service``: for each dtype (float32, bfloat16), the demo pair deployed three ways on the one GPU
+   (``cluster_configs/disagg_1gpu.yaml``'s shares): aggregated, disaggregated (one prefill + one decode
+   replica sharing the GPU) and the ablation without the draft-layer transfer. Held-out prompts one at a time
+   through HTTP: tokens and per-step acceptance lengths of aggregated and disaggregated must be identical, the
+   ablation's AL lower; pages back to 0 everywhere.
+3. ``throughput``: the float32 aggregated and disaggregated applications under ``dflash-serve bench`` load
+   (held-out prompts, concurrency 1 and 16), then the offline engine on the same GPU and prompts: HTTP output
+   tokens/s against offline, and disaggregated minus aggregated TTFT against the READ time.
+
+``--device cpu`` runs the same code with pools in shared memory (DRAM) and small sizes: a check of the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+# Ray's workers import the project from here (no install needed on a GPU machine with Ray and NIXL).
+os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+CONFIG = REPO / "cluster_configs" / "disagg_1gpu.yaml"
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def copy_floor(nbytes: int, device: str, repeats: int) -> float:
+    """Median seconds of one device-to-device (or host memcpy) copy of ``nbytes``, in this process."""
+    import torch
+
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return statistics.median(times[1:])
+
+
+def page_moves(device: str, token_counts: list[int], repeats: int, ucx_env: dict[str, str] | None = None,
+               label: str = "defaults", polls: list[float] | None = None, splits: list[int] | None = None
+               ) -> list[dict]:
+    """NIXL READs of a prompt's pages between two KV-manager actors, against a copy of the same bytes.
+    ``ucx_env``: UCX variables for both actors on top of the project's (``actors.nixl_transfer``); ``polls``: the
+    reader's longest wait between progress calls, each in turn (None: the project's)."""
+    import ray
+
+    from benchmarks.transfer_bench import BenchKVManager
+    from kv.pool import KVPool
+    from kv.spec import LayerOwner, make_layer_specs
+
+    page_size = 16
+    specs = [make_layer_specs(LayerOwner.TARGET, 36, "fp8", 8, 128) + make_layer_specs(LayerOwner.DRAFT, 5, "bf16", 8, 128)]
+    most = max(math.ceil(t / page_size) for t in token_counts)
+    total_pages = 2 * most
+    probe = KVPool(specs[0], page_size, 1, device="meta")
+    sizes = [g.page_stride * total_pages for g in probe.groups]
+    gpu = device.startswith("cuda")
+    managers, infos = [], []
+    for name in ("pages-src", "pages-dst"):
+        kvm = ray.remote(BenchKVManager).options(
+            num_cpus=0, num_gpus=0.1 if gpu else 0, runtime_env={"env_vars": dict(ucx_env or {})}).remote(
+            f"{name}-{label}", device=device)
+        for n in sizes:
+            ray.get(kvm.create_segment.remote(n))
+        infos.append(ray.get(kvm.attach.remote(specs, page_size, [total_pages])))
+        managers.append(kvm)
+    try:
+        return _read_rows(managers, infos, probe, device, token_counts, total_pages, page_size, repeats, label,
+                          polls or [None], splits or [0])
+    finally:
+        for kvm in managers:
+            ray.kill(kvm)
+
+
+def _read_rows(managers, infos, probe, device, token_counts, total_pages, page_size, repeats, label, polls,
+               splits) -> list[dict]:
+    import ray
+
+    src, dst = managers
+    ray.get(src.fill.remote(1))
+    agent = ray.get(dst.register_peer.remote(infos[0], src))
+    rows = []
+    for poll, split, tokens in [(p, s, t) for p in polls for s in splits for t in token_counts]:
+        if poll is not None:
+            ray.get(dst.set_poll.remote(poll))
+        ray.get(dst.set_max_descriptor_bytes.remote(split))
+        n = math.ceil(tokens / page_size)
+        patterns = {"contiguous": (list(range(n)), list(range(total_pages - n, total_pages)))}
+        if 2 * n <= total_pages and tokens <= 4096:
+            patterns["scattered"] = (list(range(0, 2 * n, 2)), list(range(1, 2 * n, 2)))
+        nbytes = n * probe.bytes_per_page
+        floor_s = copy_floor(nbytes, device, repeats)
+        for pattern, (remote, local) in patterns.items():
+            ray.get(dst.fill.remote(0))
+            seconds, descriptors = [], set()
+            for i in range(repeats + 1):      # the first READ also maps the peer's memory: not counted
+                key = f"{pattern}-{tokens}-{poll}-{split}-{i}"
+                lease = ray.get(src.hold.remote(key, f"lease-{key}", 60.0))
+                stats = ray.get(dst.read.remote(lease, agent, [remote], [local], True, 20.0))
+                assert stats["bytes"] == nbytes, stats
+                seconds.append(stats["seconds"])
+                descriptors.add(stats["descriptors"])
+            landed = ray.get(dst.region_sum.remote([local])) == nbytes     # every source byte is 1
+            read_s = statistics.median(seconds[1:])
+            rows.append({"ucx": label, "poll_max_us": None if poll is None else poll * 1e6, "split_MB": split / 2**20,
+                         "tokens": tokens,
+                         "pattern": pattern, "pages": n, "bytes": nbytes,
+                         "descriptors": sorted(descriptors), "bytes_landed": landed,
+                         "read_ms": round(read_s * 1e3, 3), "copy_ms": round(floor_s * 1e3, 3),
+                         "read_GB_per_s": round(nbytes / read_s / 1e9, 1),
+                         "copy_GB_per_s": round(nbytes / floor_s / 1e9, 1),
+                         "read_vs_copy": round(floor_s / read_s, 3)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def app_args(mode: str, dtype: str, device: str, gpu_share: float, **overrides) -> dict:
+    """The single-GPU config's application args for one deployment of ``mode``, ``gpu_share`` per replica."""
+    from serve_app.config import load_config_file
+
+    service, _ = load_config_file(CONFIG)
+    args = service.model_dump(mode="json", exclude_none=True)
+    args["mode"] = mode
+    args["model"].update(dtype=dtype, device=device)
+    gpus = gpu_share if device.startswith("cuda") else 0
+    for role in ("aggregated", "prefill", "decode"):
+        args[role] = {**args.get(role, {}), "num_replicas": 1, "num_cpus": 1, "num_gpus": gpus}
+    args["metrics_report_interval_s"] = 1.0
+    args.update(overrides)
+    return args
+
+
+def deploy(apps: dict[str, dict], port: int) -> dict[str, str]:
+    from ray import serve
+
+    from serve_app.app import build_app
+    from tests.test_serve_support import wait_healthy
+
+    for name, args in apps.items():
+        serve._run(build_app(args), _blocking=False, name=name, route_prefix=f"/{name}")
+    urls = {name: f"http://127.0.0.1:{port}/{name}" for name in apps}
+    for url in urls.values():
+        wait_healthy(url, timeout_s=300)
+    return urls
+
+
+def heldout(n: int) -> list[str]:
+    lines = (REPO / "benchmarks" / "prompts" / "heldout.jsonl").read_text().splitlines()
+    return [json.loads(line)["prompt"] for line in lines[:n]]
+
+
+def invariants(urls: dict[str, str], prompts: list[str], max_tokens: int) -> dict:
+    """Aggregated vs disaggregated vs the ablation, one request at a time (equal batch shapes)."""
+    from tests.test_serve_support import greedy_completion, wait_pages_free
+
+    results = {name: [greedy_completion(url, p, max_tokens) for p in prompts] for name, url in urls.items()}
+
+    def mean_al(rows):
+        steps = [al for _, als in rows for al in als]
+        return sum(steps) / len(steps)
+
+    agg, disagg, ablate = results["agg"], results["disagg"], results["ablate"]
+    return {"tokens_disagg_equal_agg": [t for t, _ in disagg] == [t for t, _ in agg],
+            "per_step_al_disagg_equal_agg": [a for _, a in disagg] == [a for _, a in agg],
+            "tokens_ablation_equal_agg": [t for t, _ in ablate] == [t for t, _ in agg],
+            "mean_al": {name: round(mean_al(rows), 3) for name, rows in results.items()},
+            "pages_in_use_after": dict(zip(urls, wait_pages_free(list(urls.values()))))}
+
+
+def throughput(urls: dict[str, str], concurrencies: list[int], repeats: int, output_len: int) -> list[dict]:
+    from benchmarks.serve_bench import _bench_args, _transfer_counters
+    from serve_app.bench import bench, format_table
+
+    ns = argparse.Namespace(prompt_file=str(REPO / "benchmarks" / "prompts" / "heldout.jsonl"), input_len=64,
+                            output_len=output_len, min_requests=16)
+    for concurrency in concurrencies:          # warm-up, not counted: kernels compile for new batch shapes
+        for name in ("agg", "disagg"):
+            bench(_bench_args(urls[name], f"{name}-warm-up", concurrency, ns))
+    summaries = []
+    for _repeat, concurrency in [(r, c) for r in range(repeats) for c in concurrencies]:
+        for name in ("agg", "disagg"):
+            before = _transfer_counters(urls[name])
+            summary = bench(_bench_args(urls[name], name, concurrency, ns))
+            after = _transfer_counters(urls[name])
+            count = after[1] - before[1]
+            summary["mean_read_s"] = (after[0] - before[0]) / count if count else None
+            summaries.append(summary)
+            print(format_table([summary]).splitlines()[-2], flush=True)
+    return summaries
+
+
+def offline(args, concurrencies: list[int], repeats: int, output_len: int, dtype: str) -> list[dict]:
+    """The engine alone on the same GPU: batches of ``concurrency`` held-out prompts through ``LLM.generate``."""
+    from benchmarks.serve_bench import _bench_args
+    from engine.sequence import SamplingParams
+    from serve_app.bench import _prompts
+    from spec_decode import LLM
+
+    model = app_args("aggregated", dtype, args.device, 1.0)["model"]
+    llm = LLM(str(REPO / model["model"]), draft=str(REPO / model["draft"]), device=args.device, dtype=dtype,
+              num_pages=model["num_pages"], max_model_len=model["max_model_len"],
+              max_num_batched_tokens=model["max_num_batched_tokens"], max_num_seqs=model["max_num_seqs"])
+    ns = argparse.Namespace(prompt_file=str(REPO / "benchmarks" / "prompts" / "heldout.jsonl"), input_len=64,
+                            output_len=output_len, min_requests=16)
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    rows = []
+    for _repeat, concurrency in [(r, c) for r in range(repeats) for c in concurrencies]:
+        prompts = _prompts(_bench_args("", "offline", concurrency, ns))
+        llm.generate(prompts[:1], params)
+        _sync(args.device)
+        start, tokens = time.perf_counter(), 0
+        for i in range(0, len(prompts), concurrency):
+            tokens += sum(len(o.token_ids) for o in llm.generate(prompts[i:i + concurrency], params))
+        rows.append({"label": "offline", "max_concurrency": concurrency,
+                     "output_throughput": tokens / (time.perf_counter() - start)})
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--parts", nargs="+", default=["pages", "service", "throughput"],
+                   choices=["pages", "service", "throughput"])
+    p.add_argument("--tokens", type=int, nargs="+", default=None,
+                   help="prompt lengths of the page READs (default 2000 32000 on a GPU, 2000 on CPU)")
+    p.add_argument("--ucx", nargs="+", default=None, metavar="LABEL:VAR=VALUE;...",
+                   help="page READs once per UCX setting, e.g. ipc:UCX_TLS=cuda_ipc,cuda_copy;UCX_MAX_RNDV_RAILS=1 "
+                        "(variables separated by ;); default: the project's settings only")
+    p.add_argument("--poll", type=float, nargs="+", default=None,
+                   help="the reader's longest wait (s) between progress calls of a READ, each in turn")
+    p.add_argument("--split-mb", type=float, nargs="+", default=None,
+                   help="cut coalesced regions into descriptors of at most this many MiB, each in turn (0: no cut)")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=40)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="out/gpu_service")
+    args = p.parse_args()
+
+    import ray
+    import torch
+    from ray import serve
+
+    from tests.test_serve_support import free_port
+
+    gpu = args.device.startswith("cuda")
+    if gpu and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no GPU visible")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result: dict = {"device": torch.cuda.get_device_name() if gpu else "cpu", "config": str(CONFIG.relative_to(REPO))}
+    # Logical CPUs: 3 applications x (ingress + 2 engine replicas) take 1 each, more than a small box has.
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 12), num_gpus=1 if gpu else 0,
+             include_dashboard=False, log_to_driver=True,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    try:
+        if "pages" in args.parts:
+            tokens = args.tokens or ([2000, 32000] if gpu else [2000])
+            result["pages"] = []
+            for variant in args.ucx or ["defaults"]:
+                label, _, assignments = variant.partition(":")
+                env = dict(kv.split("=", 1) for kv in assignments.split(";") if kv)
+                try:
+                    result["pages"] += page_moves(args.device, tokens, args.repeats, env, label, args.poll,
+                                                  [int(mb * 2**20) for mb in args.split_mb or [0]])
+                except Exception as e:       # a UCX setting that cannot READ here: say so, try the next
+                    result["pages"].append({"ucx": label, "error": f"{type(e).__name__}: {str(e)[-300:]}"})
+                    print(result["pages"][-1], flush=True)
+                save(out, result)
+        summaries = []
+        if "service" in args.parts or "throughput" in args.parts:
+            port = free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            for dtype in args.dtypes:
+                # One GPU, five engine replicas: 0.2 each (a disaggregated replica's KV manager takes 0.1 of it).
+                apps = {"agg": app_args("aggregated", dtype, args.device, 0.2),
+                        "disagg": app_args("disaggregated", dtype, args.device, 0.2),
+                        "ablate": app_args("disaggregated", dtype, args.device, 0.2, transfer_draft_kv=False)}
+                urls = deploy(apps, port)
+                if "service" in args.parts:
+                    result.setdefault("service", {})[dtype] = invariants(urls, heldout(args.num_prompts), args.max_tokens)
+                    print(dtype, json.dumps(result["service"][dtype]), flush=True)
+                    save(out, result)
+                if "throughput" in args.parts and dtype == args.dtypes[0]:
+                    serve.delete("ablate")
+                    summaries = throughput(urls, args.concurrency, args.repeats, 64)
+                for name in list(urls):
+                    if name in serve.status().applications:
+                        serve.delete(name)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    if summaries:
+        from benchmarks.serve_bench import _ratios
+        from serve_app.bench import format_table, public
+
+        result["throughput"] = {"http": [public(s) for s in summaries],
+                                "offline": offline(args, args.concurrency, args.repeats, 64, args.dtypes[0])}
+        print(format_table(summaries))
+        result["throughput"]["table"] = _ratios(summaries, result["throughput"]["offline"])
+    save(out, result)
+    print_tables(result)
+    return 0
+
+
+def save(out: Path, result: dict) -> None:
+    """Written after every part, so a run cut short keeps what it measured."""
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+
+
+def print_tables(result: dict) -> None:
+    from actors.nixl_transfer import READ_POLL_MAX_S
+
+    print(f"\n{result['device']}, {result['config']}")
+    if result.get("pages"):
+        print("\n| UCX | poll max us | split MiB | prompt tokens | pages | pattern | MB | descriptors | READ ms | copy ms | READ / copy speed | landed |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in result["pages"]:
+            if "error" in r:
+                print(f"| {r['ucx']} | failed: {r['error'][-120:]} |")
+                continue
+            poll = READ_POLL_MAX_S * 1e6 if r["poll_max_us"] is None else r["poll_max_us"]
+            print(f"| {r['ucx']} | {poll:g} | {r['split_MB']:g} | {r['tokens']} | {r['pages']} | {r['pattern']} | {r['bytes'] / 1e6:.1f} | "
+                  f"{','.join(map(str, r['descriptors']))} | {r['read_ms']} | {r['copy_ms']} | {r['read_vs_copy']} | "
+                  f"{r['bytes_landed']} |")
+    for dtype, s in result.get("service", {}).items():
+        print(f"\n{dtype}: tokens disagg == agg {s['tokens_disagg_equal_agg']}, per-step AL disagg == agg "
+              f"{s['per_step_al_disagg_equal_agg']}, ablation tokens == agg {s['tokens_ablation_equal_agg']}, "
+              f"mean AL {s['mean_al']}, pages in use after {s['pages_in_use_after']}")
+    if result.get("throughput"):
+        print("\n" + result["throughput"]["table"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
