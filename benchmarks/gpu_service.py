@@ -9,7 +9,8 @@ Three parts, in one Ray cluster on the machine, each printing a table (and all o
    for the pages of a 2,000-token and a 32k-token prompt, contiguous (one descriptor per pool group) and, for
    the short prompt, scattered (every other page: one descriptor per page and group). Against the floor: a
    device-to-device copy of the same bytes in one process, timed in the same run.
-2. ``service``: for each dtype (float32, bfloat16), the demo pair deployed three ways on the one GPU
+2. ``service``: for each dtype (float32, bfloat16, and bfloat16 with FP8 target KV beside the BF16 draft KV),
+   the demo pair deployed three ways on the one GPU
    (``cluster_configs/disagg_1gpu.yaml``'s shares): aggregated, disaggregated (one prefill + one decode
    replica sharing the GPU) and the ablation without the draft-layer transfer. Held-out prompts one at a time
    through HTTP: tokens and per-step acceptance lengths of aggregated and disaggregated must be identical, the
@@ -145,13 +146,16 @@ def _read_rows(managers, infos, probe, device, token_counts, total_pages, page_s
 
 
 def app_args(mode: str, dtype: str, device: str, gpu_share: float, **overrides) -> dict:
-    """The single-GPU config's application args for one deployment of ``mode``, ``gpu_share`` per replica."""
+    """The single-GPU config's application args for one deployment of ``mode``, ``gpu_share`` per replica.
+    ``dtype``: the weights' dtype, optionally with the target layers' KV dtype after a colon (``bfloat16:fp8``:
+    FP8 target KV beside BF16 draft KV in one pool)."""
     from serve_app.config import load_config_file
 
     service, _ = load_config_file(CONFIG)
     args = service.model_dump(mode="json", exclude_none=True)
     args["mode"] = mode
-    args["model"].update(dtype=dtype, device=device)
+    weights, _, kv = dtype.partition(":")
+    args["model"].update(dtype=weights, device=device, kv_cache_dtype=kv or "auto")
     gpus = gpu_share if device.startswith("cuda") else 0
     for role in ("aggregated", "prefill", "decode"):
         args[role] = {**args.get(role, {}), "num_replicas": 1, "num_cpus": 1, "num_gpus": gpus}
@@ -227,7 +231,8 @@ def offline(args, concurrencies: list[int], repeats: int, output_len: int, dtype
     from spec_decode import LLM
 
     model = app_args("aggregated", dtype, args.device, 1.0)["model"]
-    llm = LLM(str(REPO / model["model"]), draft=str(REPO / model["draft"]), device=args.device, dtype=dtype,
+    llm = LLM(str(REPO / model["model"]), draft=str(REPO / model["draft"]), device=args.device, dtype=model["dtype"],
+              kv_cache_dtype=model["kv_cache_dtype"],
               num_pages=model["num_pages"], max_model_len=model["max_model_len"],
               max_num_batched_tokens=model["max_num_batched_tokens"], max_num_seqs=model["max_num_seqs"])
     ns = argparse.Namespace(prompt_file=str(REPO / "benchmarks" / "prompts" / "heldout.jsonl"), input_len=64,
@@ -260,7 +265,8 @@ def main() -> int:
                    help="the reader's longest wait (s) between progress calls of a READ, each in turn")
     p.add_argument("--split-mb", type=float, nargs="+", default=None,
                    help="cut coalesced regions into descriptors of at most this many MiB, each in turn (0: no cut)")
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "bfloat16:fp8"],
+                   help="weights dtype[:target KV dtype] of each service check; the first one's apps are timed")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=40)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
