@@ -115,12 +115,13 @@ class NixlEndpoint:
 
     async def read(self, peer_name: str, remote_tables: Sequence[Sequence[int]],
                    local_tables: Sequence[Sequence[int]], owners: Sequence[LayerOwner], timeout_s: float,
-                   delay_s: float = 0.0) -> tuple[int, int]:
+                   delay_s: float = 0.0, op: str = "READ") -> tuple[int, int]:
         """READ the peer's pages into ours (target and/or draft layers); returns (bytes, descriptors).
 
         Regions adjacent on both sides go as one descriptor. Raises TransferError on failure or timeout;
         it returns or raises only once the READ can no longer write into the local pages.
         ``delay_s`` holds the READ open that long after posting it (fault injection for tests).
+        ``op="WRITE"`` moves the same pages the other way, ours into the peer's (only benchmarks use it).
         """
         peer = self.peers.get(peer_name)
         if peer is None:
@@ -147,7 +148,7 @@ class NixlEndpoint:
         try:
             local_descs = self.agent.get_xfer_descs(local, self.memory_type)
             remote_descs = self.agent.get_xfer_descs(remote, peer.memory_type)
-            handle = self.agent.initialize_xfer("READ", local_descs, remote_descs, peer_name)
+            handle = self.agent.initialize_xfer(op, local_descs, remote_descs, peer_name)
             state = self.agent.transfer(handle)
         except Exception as e:      # nixl raises its own error types for invalid descriptors or peers
             raise TransferError(f"READ of {len(remote)} regions from {peer_name} could not start: {e}") from e

@@ -68,8 +68,8 @@ def copy_floor(nbytes: int, device: str, repeats: int) -> float:
 
 
 def page_moves(device: str, token_counts: list[int], repeats: int, ucx_env: dict[str, str] | None = None,
-               label: str = "defaults", polls: list[float] | None = None, splits: list[int] | None = None
-               ) -> list[dict]:
+               label: str = "defaults", polls: list[float] | None = None, splits: list[int] | None = None,
+               ops: list[str] | None = None) -> list[dict]:
     """NIXL READs of a prompt's pages between two KV-manager actors, against a copy of the same bytes.
     ``ucx_env``: UCX variables for both actors on top of the project's (``actors.nixl_transfer``); ``polls``: the
     reader's longest wait between progress calls, each in turn (None: the project's)."""
@@ -97,19 +97,20 @@ def page_moves(device: str, token_counts: list[int], repeats: int, ucx_env: dict
         managers.append(kvm)
     try:
         return _read_rows(managers, infos, probe, device, token_counts, total_pages, page_size, repeats, label,
-                          polls or [None], splits or [0])
+                          polls or [None], splits or [0], ops or ["READ"])
     finally:
         for kvm in managers:
             ray.kill(kvm)
 
 
 def _read_rows(managers, infos, probe, device, token_counts, total_pages, page_size, repeats, label, polls,
-               splits) -> list[dict]:
+               splits, ops) -> list[dict]:
     import ray
 
     src, dst = managers
     ray.get(src.fill.remote(1))
     agent = ray.get(dst.register_peer.remote(infos[0], src))
+    dst_agent = ray.get(src.register_peer.remote(infos[1]))      # for the WRITE rows: src pushes into dst
     rows = []
     for poll, split, tokens in [(p, s, t) for p in polls for s in splits for t in token_counts]:
         if poll is not None:
@@ -121,19 +122,22 @@ def _read_rows(managers, infos, probe, device, token_counts, total_pages, page_s
             patterns["scattered"] = (list(range(0, 2 * n, 2)), list(range(1, 2 * n, 2)))
         nbytes = n * probe.bytes_per_page
         floor_s = copy_floor(nbytes, device, repeats)
-        for pattern, (remote, local) in patterns.items():
+        for (op, pattern), (remote, local) in [((op, k), v) for op in ops for k, v in patterns.items()]:
             ray.get(dst.fill.remote(0))
             seconds, descriptors = [], set()
             for i in range(repeats + 1):      # the first READ also maps the peer's memory: not counted
                 key = f"{pattern}-{tokens}-{poll}-{split}-{i}"
-                lease = ray.get(src.hold.remote(key, f"lease-{key}", 60.0))
-                stats = ray.get(dst.read.remote(lease, agent, [remote], [local], True, 20.0))
+                if op == "WRITE":
+                    stats = ray.get(src.write.remote(dst_agent, [remote], [local]))
+                else:
+                    lease = ray.get(src.hold.remote(key, f"lease-{key}", 60.0))
+                    stats = ray.get(dst.read.remote(lease, agent, [remote], [local], True, 20.0))
                 assert stats["bytes"] == nbytes, stats
                 seconds.append(stats["seconds"])
                 descriptors.add(stats["descriptors"])
             landed = ray.get(dst.region_sum.remote([local])) == nbytes     # every source byte is 1
             read_s = statistics.median(seconds[1:])
-            rows.append({"ucx": label, "poll_max_us": None if poll is None else poll * 1e6, "split_MB": split / 2**20,
+            rows.append({"op": op, "ucx": label, "poll_max_us": None if poll is None else poll * 1e6, "split_MB": split / 2**20,
                          "tokens": tokens,
                          "pattern": pattern, "pages": n, "bytes": nbytes,
                          "descriptors": sorted(descriptors), "bytes_landed": landed,
@@ -265,6 +269,8 @@ def main() -> int:
                    help="the reader's longest wait (s) between progress calls of a READ, each in turn")
     p.add_argument("--split-mb", type=float, nargs="+", default=None,
                    help="cut coalesced regions into descriptors of at most this many MiB, each in turn (0: no cut)")
+    p.add_argument("--ops", nargs="+", default=["READ"], choices=["READ", "WRITE"],
+                   help="READ: the decode side pulls (what the service does); WRITE: the source pushes, for comparison")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "bfloat16:fp8"],
                    help="weights dtype[:target KV dtype] of each service check; the first one's apps are timed")
     p.add_argument("--num-prompts", type=int, default=8)
@@ -299,7 +305,7 @@ def main() -> int:
                 env = dict(kv.split("=", 1) for kv in assignments.split(";") if kv)
                 try:
                     result["pages"] += page_moves(args.device, tokens, args.repeats, env, label, args.poll,
-                                                  [int(mb * 2**20) for mb in args.split_mb or [0]])
+                                                  [int(mb * 2**20) for mb in args.split_mb or [0]], args.ops)
                 except Exception as e:       # a UCX setting that cannot READ here: say so, try the next
                     result["pages"].append({"ucx": label, "error": f"{type(e).__name__}: {str(e)[-300:]}"})
                     print(result["pages"][-1], flush=True)
@@ -350,14 +356,14 @@ def print_tables(result: dict) -> None:
 
     print(f"\n{result['device']}, {result['config']}")
     if result.get("pages"):
-        print("\n| UCX | poll max us | split MiB | prompt tokens | pages | pattern | MB | descriptors | READ ms | copy ms | READ / copy speed | landed |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("\n| op | UCX | poll max us | split MiB | prompt tokens | pages | pattern | MB | descriptors | READ ms | copy ms | READ / copy speed | landed |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in result["pages"]:
             if "error" in r:
                 print(f"| {r['ucx']} | failed: {r['error'][-120:]} |")
                 continue
             poll = READ_POLL_MAX_S * 1e6 if r["poll_max_us"] is None else r["poll_max_us"]
-            print(f"| {r['ucx']} | {poll:g} | {r['split_MB']:g} | {r['tokens']} | {r['pages']} | {r['pattern']} | {r['bytes'] / 1e6:.1f} | "
+            print(f"| {r['op']} | {r['ucx']} | {poll:g} | {r['split_MB']:g} | {r['tokens']} | {r['pages']} | {r['pattern']} | {r['bytes'] / 1e6:.1f} | "
                   f"{','.join(map(str, r['descriptors']))} | {r['read_ms']} | {r['copy_ms']} | {r['read_vs_copy']} | "
                   f"{r['bytes_landed']} |")
     for dtype, s in result.get("service", {}).items():

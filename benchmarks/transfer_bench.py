@@ -60,6 +60,13 @@ class BenchKVManager(KVManagerActor):
     def set_max_descriptor_bytes(self, size: int) -> None:
         self.endpoint.max_descriptor_bytes = size
 
+    async def write(self, peer_name: str, local_tables: list[list[int]], remote_tables: list[list[int]]) -> dict:
+        """WRITE our pages into a registered peer's (no lease: the benchmark owns both pools)."""
+        start = time.perf_counter()
+        nbytes, descriptors = await self.endpoint.read(peer_name, remote_tables, local_tables,
+                                                       (LayerOwner.TARGET, LayerOwner.DRAFT), 60.0, op="WRITE")
+        return {"bytes": nbytes, "descriptors": descriptors, "seconds": time.perf_counter() - start}
+
     def fill(self, value: int) -> None:
         for tensor in self.segments.tensors:
             tensor.fill_(value)
