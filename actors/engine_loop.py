@@ -3,11 +3,14 @@
 Only the loop thread touches the engine: every add, abort, reserve or inspection is a command it runs
 between steps. A step's outputs reach their per-request asyncio queues in one hand-off per event loop
 (one wake-up, however many requests stepped). Idle, the thread blocks on its command queue.
+Hooks (``add_hook``) run on the loop thread after every batch of commands and every step: the moments pages
+can have been freed, so a waiter for pages (a decode reservation) retries exactly then, never on a timer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import queue
@@ -26,6 +29,7 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
+        self._hooks: list[Callable[[LLMEngine], None]] = []
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -35,6 +39,11 @@ class EngineLoop:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, future))
         return future
+
+    def add_hook(self, fn: Callable[[LLMEngine], None]) -> None:
+        """Run ``fn(engine)`` on the loop thread after every batch of commands and every step (keep it cheap:
+        return at once when it has nothing to do)."""
+        self._hooks.append(fn)
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> asyncio.Future:
         """``submit`` for coroutines: await the result."""
@@ -98,9 +107,17 @@ class EngineLoop:
             except queue.Empty:
                 return
 
+    def _run_hooks(self) -> None:
+        for hook in self._hooks:
+            try:
+                hook(self.engine)
+            except Exception:      # a hook's failure is its own (it fails its waiters); the loop keeps running
+                log.exception("engine loop hook failed")
+
     def _run(self) -> None:
         while not self._stop.is_set():
             self._run_commands(block=not self.engine.has_unfinished())
+            self._run_hooks()
             if self._stop.is_set() or not self.engine.has_unfinished():
                 continue
             try:
@@ -113,8 +130,73 @@ class EngineLoop:
                 for request_id in failed:
                     self.engine.abort(request_id)
                 self.deliver([(r, e) for r in failed])
+                self._run_hooks()
                 continue
             self.deliver([(out.request_id, out) for out in outputs])
+            self._run_hooks()
+
+
+class ReservationQueue:
+    """Requests waiting for engine capacity (a decode reservation waiting for free pages), granted oldest first.
+
+    ``reserve(request_id, attempt, timeout_s)`` runs ``attempt(engine)`` on the loop thread; while it returns None
+    the request waits, and the loop retries the oldest waiting attempt after every batch of commands and every
+    step (the moments pages can have been freed), so a request gets its pages in the step they free up, with no
+    timer. A later request never overtakes an older one that does not fit yet. The queue itself is touched on the
+    loop thread only.
+    """
+
+    def __init__(self, loop: EngineLoop):
+        self.loop = loop
+        self._waiting: collections.OrderedDict[str, tuple[Callable, concurrent.futures.Future]] = \
+            collections.OrderedDict()
+        loop.add_hook(self._retry)
+
+    async def reserve(self, request_id: str, attempt: Callable[[LLMEngine], Any], timeout_s: float) -> Any:
+        """``attempt``'s first result that is not None, or None once ``timeout_s`` has passed without one. An
+        error ``attempt`` raises propagates. A caller cancelled while waiting must ``forget`` the request on the
+        loop thread (and undo a grant that came first)."""
+        waiter: concurrent.futures.Future = concurrent.futures.Future()
+
+        def first_try(engine):
+            result = None if self._waiting else attempt(engine)      # behind older waiters, wait too
+            if result is None:
+                self._waiting[request_id] = (attempt, waiter)
+            return result
+
+        result = await self.loop.call(first_try)
+        if result is not None:
+            return result
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(waiter)), timeout_s)
+        except asyncio.TimeoutError:
+            return await self.loop.call(lambda _: self._give_up(request_id, waiter))
+
+    def forget(self, request_id: str) -> None:
+        """Loop thread: stop waiting for ``request_id`` (a grant already made stands)."""
+        self._waiting.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def _give_up(self, request_id: str, waiter: concurrent.futures.Future) -> Any:
+        # Serialised with ``_retry`` on the loop thread: either the grant came first (keep it) or none will.
+        self._waiting.pop(request_id, None)
+        return waiter.result() if waiter.done() else None
+
+    def _retry(self, engine: LLMEngine) -> None:
+        while self._waiting:
+            request_id, (attempt, waiter) = next(iter(self._waiting.items()))
+            try:
+                result = attempt(engine)
+            except Exception as e:       # this request's own failure: it is told, the others go on waiting
+                del self._waiting[request_id]
+                waiter.set_exception(e)
+                continue
+            if result is None:
+                return
+            del self._waiting[request_id]
+            waiter.set_result(result)
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:

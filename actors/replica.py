@@ -22,6 +22,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from actors.engine_loop import ReservationQueue
 from actors.nixl_transfer import TransferError
 from actors.worker import KV_MANAGER_NAMESPACE, RankGroup
 from engine.llm import EngineConfig
@@ -29,7 +30,6 @@ from engine.llm_engine import RequestOutput
 from engine.sequence import SamplingParams, SpecStats, TokenLogprob
 
 log = logging.getLogger(__name__)
-RESERVE_RETRY_S = 0.02
 
 
 def token_chunk(out: RequestOutput, **extra) -> dict:
@@ -318,6 +318,8 @@ class DecodeReplica(EngineReplica):
         # Per prefill replica (its rank 0's agent): per decode rank, the prefill ranks it READs from.
         self._plans: dict[str, list[list[int]]] = {}
         self.num_awaiting_transfer = 0
+        # Reservations waiting for free pages: retried whenever pages may have been freed, never on a timer.
+        self._reservations = ReservationQueue(self.loop)
         # Transfers run on an event loop of their own thread.
         self._transfers = asyncio.new_event_loop()
         threading.Thread(target=self._transfers.run_forever, name="transfers", daemon=True).start()
@@ -347,12 +349,7 @@ class DecodeReplica(EngineReplica):
             e.sync_ranks()
             return [e.kv.block_table(ticket.request_id, s)[:num_pages] for s in range(len(e.kv.pools))]
 
-        deadline = time.monotonic() + self.reserve_timeout_s
-        while True:
-            tables = await self.loop.call(reserve)
-            if tables is not None or time.monotonic() > deadline:
-                return tables
-            await asyncio.sleep(RESERVE_RETRY_S)     # the pool is full: pages free up as requests finish
+        return await self._reservations.reserve(ticket.request_id, reserve, self.reserve_timeout_s)
 
     async def decode(self, ticket: Ticket) -> AsyncIterator[dict]:
         """Move the ticket's KV here and stream the rest of its tokens (the first chunk carries ``transfer``)."""
@@ -383,8 +380,9 @@ class DecodeReplica(EngineReplica):
                 # thread: this command runs after it). No READ touches these pages: free them here.
                 self.loop.close_stream(request_id)
                 ticket.cancel()
-                self.loop.submit(lambda e: e.finish_transfer(request_id, False) if request_id in e.requests
-                                 else None)
+                self.loop.submit(lambda e: (self._reservations.forget(request_id),
+                                            e.finish_transfer(request_id, False) if request_id in e.requests
+                                            else None))
         async for chunk in self._stream(request_id, queue, transfer=stats):
             yield chunk
 

@@ -292,6 +292,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result: dict = {"device": torch.cuda.get_device_name() if gpu else "cpu", "config": str(CONFIG.relative_to(REPO))}
+    # Ray starts workers at nice 15; the offline engine runs here at nice 0 (see benchmarks/serve_bench.py).
+    os.environ.setdefault("RAY_worker_niceness", "0")
     # Logical CPUs: 3 applications x (ingress + 2 engine replicas) take 1 each, more than a small box has.
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 12), num_gpus=1 if gpu else 0,
              include_dashboard=False, log_to_driver=True,

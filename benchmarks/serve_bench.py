@@ -2,12 +2,18 @@
 
 Starts a local Ray cluster, deploys both applications side by side (/agg and /disagg), runs
 ``dflash-serve bench`` against each at every concurrency, then the offline ``LLM`` on the same prompts.
+
+Ray starts its workers (every replica, the ingress, the HTTP proxy) at nice 15 unless told otherwise, while the
+offline engine and the load client run in this process at nice 0: on a shared machine any other process, and
+the load client itself, would then take the CPU from the service and not from the offline engine. The service's
+workers run at ``--worker-niceness`` (default 0, the offline engine's) so the ratio measures the serving path.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -111,7 +117,11 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3, help="runs of every configuration, interleaved; medians reported")
     p.add_argument("--tiny", action="store_true", help="the tiny random pair even if the demo pair exists")
     p.add_argument("--out", default="out/serve_bench")
+    p.add_argument("--worker-niceness", type=int, default=0,
+                   help="nice value of the Ray workers (Ray's own default is 15); the offline engine runs at 0")
     args = p.parse_args()
+    # Read by the raylet this process starts (RayConfig ``worker_niceness``).
+    os.environ["RAY_worker_niceness"] = str(args.worker_niceness)
 
     import ray
     import torch
@@ -157,7 +167,7 @@ def main() -> int:
     for _, concurrency in [(r, c) for r in range(args.repeats) for c in args.concurrency]:
         prompts = _prompts(_bench_args("", "offline", concurrency, args))
         offline.append(_offline(target, drafter, prompts, concurrency, args.output_len))
-    print(f"pair: {pair}")
+    print(f"pair: {pair}; Ray workers at nice {args.worker_niceness}, offline engine at nice {os.nice(0)}")
     print(format_table(summaries))
     print(_ratios(summaries, offline))
     print("| offline | conc | req/s | out tok/s | E2E p50 (batch) ms | AL |\n|---|---|---|---|---|---|")

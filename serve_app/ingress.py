@@ -11,6 +11,7 @@ request id.
 
 import asyncio
 import concurrent.futures
+import contextvars
 import dataclasses
 import hmac
 import json
@@ -296,6 +297,7 @@ class Ingress:
         self.inflight = 0               # choices (prompts x n) admitted and not finished
         self._ready_at = -1e9
         self._ready = False
+        self._refresh: asyncio.Task | None = None      # a readiness refresh running in the background
         self._unready: list[str] = list(self.roles)
         self._created = int(time.time())
         # Tokenizing a large prompt takes a second: never on the event loop, which serves every other request.
@@ -333,11 +335,26 @@ class Ingress:
         return snaps
 
     async def _check_ready(self) -> None:
+        """Refuse (503) while a role has no healthy replica, as the hub last said. The hub is asked at most every
+        READY_TTL_S, and a request never waits for it while the service is known to be ready: a stale answer is
+        refreshed in the background (a Serve call, milliseconds on every request's time to first token otherwise).
+        Only a service not known to be ready waits for the fresh answer."""
         if time.monotonic() - self._ready_at > READY_TTL_S:
-            await self._snapshots()
+            if not self._ready:
+                await self._snapshots()
+            elif self._refresh is None or self._refresh.done():
+                # In a context of its own: not this request's call (its cancellation must not cancel the refresh).
+                self._refresh = asyncio.get_running_loop().create_task(self._refresh_ready(),
+                                                                       context=contextvars.Context())
         if not self._ready:
             raise APIError(503, f"no healthy replica for: {', '.join(self._unready)}; retry later", "unavailable",
                            code="unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    async def _refresh_ready(self) -> None:
+        try:
+            await self._snapshots()
+        except Exception:      # the hub did not answer: keep the last answer, ask again at the next request
+            log.warning("readiness refresh from the metrics hub failed", exc_info=True)
 
     def _admit(self, num_choices: int, param: str) -> None:
         """Count the request's choices against the in-flight limit (``_finish`` gives them back)."""

@@ -1,0 +1,105 @@
+"""The engine loop's reservation queue: a decode reservation that finds the pool full waits, and gets its pages
+from the loop thread in the step or command that frees them (no timer); oldest first; a timeout leaves nothing
+behind. Real engine (tiny pair, a pool of 8 pages), real engine loop; no Ray."""
+
+import asyncio
+import time
+
+import pytest
+
+from actors.engine_loop import EngineLoop, ReservationQueue
+from engine.llm import EngineConfig
+from engine.sequence import SamplingParams
+from spec_decode import build_engine
+from tests import checkpoints
+
+PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
+# 70 prompt tokens plus the drafter's lookahead: 5 pages of 16. One such request fits in 8 pages, two do not.
+PROMPTS = [[(11 * i + 5 * j) % 120 + 1 for j in range(70)] for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def loop(tiny_target, tmp_path_factory):
+    drafter = checkpoints.write_tiny_drafter(tmp_path_factory.mktemp("tiny_drafter"))
+    engine = build_engine(EngineConfig(model=str(tiny_target), draft=str(drafter), num_pages=8))
+    loop = EngineLoop(engine)
+    yield loop
+    loop.shutdown()
+
+
+def attempt(request_id: str, prompt: list[int]):
+    """What a decode replica's reservation runs on the loop thread: pages for a prompt whose KV will arrive."""
+    def reserve(engine):
+        request = engine.reserve_transfer(prompt, 5, PARAMS, request_id=request_id)
+        return None if request is None else engine.kv.block_table(request_id, 0)
+    return reserve
+
+
+def pages_in_use(loop: EngineLoop) -> int:
+    return loop.submit(lambda e: e.kv.pages_in_use()).result(timeout=10)
+
+
+def test_a_waiting_reservation_gets_the_pages_as_they_free_oldest_first(loop):
+    queue = ReservationQueue(loop)
+
+    async def scenario():
+        first = await queue.reserve("a", attempt("a", PROMPTS[0]), timeout_s=10)
+        assert first is not None
+        # The pool is full: these two wait, in arrival order.
+        second = asyncio.ensure_future(queue.reserve("b", attempt("b", PROMPTS[1]), timeout_s=10))
+        third = asyncio.ensure_future(queue.reserve("c", attempt("c", PROMPTS[2]), timeout_s=10))
+        await asyncio.sleep(0.3)
+        assert not second.done() and not third.done()
+        assert len(queue) == 2
+        # "a"'s READ failed: its pages go back on the loop thread, and "b" (the older) gets them at once.
+        freed = time.monotonic()
+        await loop.call(lambda e: e.finish_transfer("a", False))
+        granted = await asyncio.wait_for(second, 5)
+        waited = time.monotonic() - freed
+        assert granted is not None and set(granted) & set(first)
+        assert not third.done(), "a later reservation overtook or shared the pool with an older one"
+        # "b" decodes to its end in the loop's steps; when it finishes, the step that freed its pages grants "c".
+        await loop.call(lambda e: e.finish_transfer("b", True))
+        assert await asyncio.wait_for(third, 10) is not None
+        await loop.call(lambda e: e.finish_transfer("c", False))
+        return waited
+
+    waited = asyncio.run(scenario())
+    assert waited < 1.0, f"the grant came {waited:.2f}s after the pages were freed"
+    assert len(queue) == 0
+    assert pages_in_use(loop) == 0
+
+
+def test_a_reservation_that_times_out_leaves_nothing_behind(loop):
+    queue = ReservationQueue(loop)
+
+    async def scenario():
+        assert await queue.reserve("x", attempt("x", PROMPTS[0]), timeout_s=10) is not None
+        held = pages_in_use(loop)
+        start = time.monotonic()
+        assert await queue.reserve("y", attempt("y", PROMPTS[1]), timeout_s=0.3) is None
+        assert 0.3 <= time.monotonic() - start < 5
+        assert len(queue) == 0 and pages_in_use(loop) == held
+        await loop.call(lambda e: e.finish_transfer("x", False))
+        # Nothing still waits for "y": freed pages stay free.
+        await asyncio.sleep(0.1)
+        assert pages_in_use(loop) == 0
+        await loop.call(lambda e: e.abort("y"))
+
+    asyncio.run(scenario())
+    assert pages_in_use(loop) == 0
+
+
+def test_an_invalid_request_fails_and_does_not_block_the_queue(loop):
+    queue = ReservationQueue(loop)
+
+    async def scenario():
+        with pytest.raises(ValueError):
+            await queue.reserve("bad", attempt("bad", []), timeout_s=1)       # an empty prompt
+        assert len(queue) == 0
+        granted = await queue.reserve("ok", attempt("ok", PROMPTS[3]), timeout_s=5)
+        assert granted is not None
+        await loop.call(lambda e: e.finish_transfer("ok", False))
+
+    asyncio.run(scenario())
+    assert pages_in_use(loop) == 0
