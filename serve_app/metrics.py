@@ -111,6 +111,10 @@ class ServiceMetrics:
         self.transfers = Counter("dflash_kv_transfers", "Prefill-to-decode KV transfers", m, registry=r)
         self.transfer_failures = Counter("dflash_kv_transfer_failures", "KV transfers that failed", m, registry=r)
         self.transfer_bytes = Counter("dflash_kv_transfer_bytes", "Bytes moved by KV transfers", m, registry=r)
+        # Per transfer, NIXL descriptors posted (a run of pages in one pool group is one): transfers whose count
+        # nears their pages x groups have scattered pages, and pay host time per descriptor.
+        self.transfer_descriptors = Counter("dflash_kv_transfer_descriptors", "NIXL descriptors posted by KV "
+                                            "transfers", m, registry=r)
         self.transfer_latency = Histogram("dflash_kv_transfer_latency_seconds", "NIXL READ latency", m,
                                           buckets=TRANSFER_BUCKETS, registry=r)
         self.drafts = Counter("dflash_spec_decode_num_drafts", "Verification steps that carried drafts", m,
@@ -148,6 +152,7 @@ class ServiceMetrics:
         elif stats:
             self.transfers.labels(self.model_name).inc()
             self.transfer_bytes.labels(self.model_name).inc(stats["bytes"])
+            self.transfer_descriptors.labels(self.model_name).inc(stats.get("descriptors", 0))
             self.transfer_latency.labels(self.model_name).observe(stats["seconds"])
 
     # --- per scrape, from the hub ---------------------------------------------------------------

@@ -282,6 +282,7 @@ def test_metrics_parse_and_counters_move_by_the_request(server, client):
     assert delta("dflash_kv_transfers_total") == 1
     # 7 prompt tokens: one page, 2 target layers + 1 draft layer, 2 KV heads x 16 dims, K and V, float32.
     assert delta("dflash_kv_transfer_bytes_total") == 16 * 3 * 2 * 2 * 16 * 4
+    assert delta("dflash_kv_transfer_descriptors_total") == 1       # one page, one pool group (all float32)
     assert delta("dflash_spec_decode_num_drafts_total") == spec["num_drafts"] > 0
     assert delta("dflash_spec_decode_num_draft_tokens_total") == spec["draft_tokens"]
     accepted = delta("dflash_spec_decode_num_accepted_tokens_total")
