@@ -14,7 +14,7 @@ import torch
 from engine.model import Qwen3Model
 from engine.model_runner import ModelRunner, Row
 from engine.parallel import OP_STOP, OP_SYNC, OP_TARGET
-from engine.sampler import LogitsBlock, LogitsState, adjust_logits, sample, token_logprobs
+from engine.sampler import LogitsBlock, LogitsState, accept_greedy, adjust_logits, sample, token_logprobs
 from engine.scheduler import ScheduledRequest, Scheduler
 from engine.sequence import Request, RequestStatus, SamplingParams, SpecStats, TokenLogprob
 from engine.tokenizer import Tokenizer
@@ -40,7 +40,9 @@ class Speculator(Protocol):
 
     def propose(self, rows: Sequence[ScheduledRequest]) -> list[Proposal]: ...
 
-    def verify(self, request: Request, proposal: Proposal, target_logits: torch.Tensor) -> list[int]: ...
+    def verify(self, request: Request, proposal: Proposal, target_logits: torch.Tensor) -> list[int]:
+        """A sampled request's accepted drafts plus one token (greedy rows the step verifies itself)."""
+        ...
 
     def store_context(self, items: Sequence[tuple[Request, int, torch.Tensor]]) -> None: ...
 
@@ -331,15 +333,21 @@ class LLMEngine:
                   for i, item in enumerate(scheduled) if slices[i] is not None and item.request.logits_state]
         logits = adjust_logits(raw_logits, blocks) if blocks else raw_logits
 
+        # Greedy rows, plain and speculative alike, come to the host in one argmax of every logits row: one
+        # transfer per step, not one per request. Sampled rows sample (and rejection-sample) on their own.
+        greedy = any(slices[i] is not None and item.request.params.greedy for i, item in enumerate(scheduled))
+        best = logits.argmax(-1).tolist() if greedy else None
         plain = [i for i, item in enumerate(scheduled) if slices[i] is not None and row_proposals[i] is None]
         plain_tokens = dict(zip(plain, sample(
             logits[[slices[i].start for i in plain]], [scheduled[i].request.params for i in plain],
-            [scheduled[i].request.generator for i in plain]))) if plain else {}
+            [scheduled[i].request.generator for i in plain],
+            None if best is None else [best[slices[i].start] for i in plain]))) if plain else {}
         new_tokens: list[list[int]] = []
         for i, item in enumerate(scheduled):
             r, proposal = item.request, row_proposals[i]
             if proposal is not None:
-                new_tokens.append(spec.verify(r, proposal, logits[slices[i]]))
+                new_tokens.append(accept_greedy(proposal.tokens, best[slices[i]]) if r.params.greedy
+                                  else spec.verify(r, proposal, logits[slices[i]]))
                 accepted = len(new_tokens[i]) - 1
                 r.spec.record(len(proposal.tokens), accepted)
                 self.spec_stats.record(len(proposal.tokens), accepted)

@@ -157,10 +157,23 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None]) -> list[int]:
-    """One token for each row of ``logits`` [B, V]; greedy rows in one argmax."""
-    out = logits.argmax(-1).tolist()
+           generators: Sequence[torch.Generator | None], greedy_ids: Sequence[int] | None = None) -> list[int]:
+    """One token for each row of ``logits`` [B, V]; greedy rows in one argmax (``greedy_ids``: that argmax,
+    already on the host)."""
+    out = list(greedy_ids) if greedy_ids is not None else logits.argmax(-1).tolist()
     for i, (p, g) in enumerate(zip(params, generators)):
         if not p.greedy:
             out[i] = int(sample_from(probabilities(logits[i:i + 1], p), g)[0])
     return out
+
+
+def accept_greedy(drafts: Sequence[int], target_ids: Sequence[int]) -> list[int]:
+    """Greedy verification: the drafts that match the target's argmax, then the target's next token (the bonus).
+
+    ``target_ids[k]`` is the target's argmax after the anchor and the first k drafts (``len(drafts) + 1`` of them),
+    so draft k is accepted while ``drafts[k] == target_ids[k]``.
+    """
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == target_ids[accepted]:
+        accepted += 1
+    return list(drafts[:accepted]) + [target_ids[accepted]]

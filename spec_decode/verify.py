@@ -4,21 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import probabilities, sample_from
+from engine.sampler import accept_greedy, probabilities, sample_from
 from engine.sequence import SamplingParams
 
 
 def verify_greedy(drafts: list[int], target_logits: torch.Tensor) -> list[int]:
     """Accept the drafts that match the target's argmax, then add the target's next token (the bonus).
-
-    ``target_logits[k]`` is the target's distribution after the anchor and the first k drafts, so draft k
-    is accepted while ``drafts[k] == argmax(target_logits[k])``: cumprod(match).sum() drafts are kept.
-    """
-    best = target_logits.argmax(-1).tolist()
-    accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == best[accepted]:
-        accepted += 1
-    return drafts[:accepted] + [best[accepted]]
+    (The engine verifies greedy rows of a whole step itself, from one argmax: ``engine.sampler.accept_greedy``.)"""
+    return accept_greedy(drafts, target_logits.argmax(-1).tolist())
 
 
 def verify_sampling(drafts: list[int], draft_probs: torch.Tensor, target_logits: torch.Tensor,

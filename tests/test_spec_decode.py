@@ -557,3 +557,31 @@ def test_drafts_never_run_past_the_context(tiny_target, drafter_dir):
     plain = LLM(tiny_target, num_pages=40).generate([prompt], params)[0]
     assert spec.token_ids == plain.token_ids and spec.finish_reason == "length"
     assert spec.spec.num_drafts > 0
+
+
+def test_accept_greedy_keeps_the_matching_drafts_and_adds_the_target_token():
+    from engine.sampler import accept_greedy
+
+    assert accept_greedy([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]      # all accepted: the bonus after them
+    assert accept_greedy([5, 6, 7], [5, 9, 7, 8]) == [5, 9]            # first mismatch: the target's token there
+    assert accept_greedy([5, 6, 7], [1, 6, 7, 8]) == [1]
+    assert accept_greedy([], [4]) == [4]
+
+
+def test_greedy_and_sampled_requests_in_one_batch_each_keep_their_own_output(tiny_target, drafter_dir, reference):
+    """Greedy rows of a step are verified from one argmax of every logits row (one host transfer): each greedy
+    request must still get its own slice of it beside sampled and plain rows, and each seeded sampled request
+    the draws it gets alone."""
+    sampled = SamplingParams(max_tokens=16, temperature=0.8, top_k=20, seed=11, ignore_eos=True)
+    alone = {i: LLM(tiny_target, draft=drafter_dir, page_size=4).generate([PROMPTS[i]], sampled)[0].token_ids
+             for i in (1, 3)}
+    engine = LLM(tiny_target, draft=drafter_dir, page_size=4).engine
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(p, sampled if i in alone else GREEDY, request_id=str(i))
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = out.token_ids
+    for i, p in enumerate(PROMPTS):
+        assert done[i] == (alone[i] if i in alone else reference[tuple(p)]), i
