@@ -50,7 +50,11 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--splits", nargs="+", default=[f"{p}:{d}" for p, d in SPLITS], metavar="P:D",
+                        help="prefill TP : decode TP of the disaggregated rows (e.g. 2:4; a TP size above the model's "
+                             "kv heads replicates heads)")
     args = parser.parse_args()
+    splits = [tuple(int(x) for x in split.split(":")) for split in args.splits]
     lines = (REPO / "benchmarks" / "prompts" / "heldout.jsonl").read_text().splitlines()
     prompts = [json.loads(line)["prompt"] for line in lines if line.strip()][:args.num_prompts]
     prompt_ids = encode_prompts(str(DEMO / "target"), prompts)
@@ -58,14 +62,16 @@ def main() -> None:
     # No prefix cache: every row sends the same prompts again, and a hit would change what a step computes.
     config = EngineConfig(model=str(DEMO / "target"), draft=str(DEMO / "drafter"), num_pages=256,
                           enable_prefix_caching=False)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
+    ray.init(num_cpus=max(4, 2 * max(max(split) for split in splits)), include_dashboard=False, log_to_driver=False, configure_logging=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
     replicas = {}
     rows = []
     try:
         for tp in (1, 2):
             replicas[f"agg{tp}"] = AggregatedReplica(config, tp_size=tp)
+        for tp in sorted({p for p, _ in splits}):
             replicas[f"prefill{tp}"] = PrefillReplica(config, tp_size=tp)
+        for tp in sorted({d for _, d in splits}):
             for draft in (True, False):
                 replicas[f"decode{tp}-{draft}"] = DecodeReplica(config, tp_size=tp, transfer_draft_kv=draft)
         reference = None
@@ -75,7 +81,7 @@ def main() -> None:
             reference = reference or outputs
             rows.append({"mode": "aggregated", "split": f"TP {tp}", "draft_kv_moved": "-", "mean_al": mean_al(outputs),
                          "tokens_equal_agg_tp1": [o.token_ids for o in outputs] == [o.token_ids for o in reference]})
-        for prefill_tp, decode_tp in SPLITS:
+        for prefill_tp, decode_tp in splits:
             for draft in (True, False):
                 tag = f"{prefill_tp}{decode_tp}{'d' if draft else 't'}"
                 prefill, decode = replicas[f"prefill{prefill_tp}"], replicas[f"decode{decode_tp}-{draft}"]
