@@ -23,6 +23,10 @@ from engine.llm_engine import LLMEngine, RequestOutput
 log = logging.getLogger(__name__)
 
 
+class EngineStopped(RuntimeError):
+    """The loop stopped serving (its replica lost a rank, or it shut down): the request cannot run here."""
+
+
 class EngineLoop:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -30,6 +34,9 @@ class EngineLoop:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
         self._hooks: list[Callable[[LLMEngine], None]] = []
+        self._failure: BaseException | None = None     # set on the loop thread when the failure ran
+        self._failing: BaseException | None = None     # set by ``fail``
+        self._closing = threading.Lock()       # orders ``submit`` against the loop's final drain
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -37,7 +44,11 @@ class EngineLoop:
     def submit(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
         """Run ``fn(engine)`` on the loop thread between steps."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((fn, future))
+        with self._closing:
+            if self._stop.is_set():
+                future.set_exception(self._failure or EngineStopped("the engine loop has stopped"))
+            else:
+                self._commands.put((fn, future))
         return future
 
     def add_hook(self, fn: Callable[[LLMEngine], None]) -> None:
@@ -84,9 +95,30 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
 
+    @property
+    def failed(self) -> bool:
+        """``fail`` was called (the failure may still be on its way through the command queue)."""
+        return self._failing is not None
+
+    def fail(self, error: EngineStopped) -> None:
+        """Stop serving for good: every request in the engine ends with ``error`` now (its stream gets it, its
+        pages are freed), and every later command fails with it. For a replica that lost a rank: what it would
+        still compute is lost, and its CPU and GPU are better left to the replica replacing it."""
+        def fail_all(engine: LLMEngine) -> None:
+            self._failure = error
+            for request_id in list(engine.requests):
+                engine.abort(request_id)
+            self.deliver([(r, error) for r in list(self._streams)])
+            self._stop.set()
+
+        if self._failing is None:
+            self._failing = error
+            self.submit(fail_all)
+
     def shutdown(self) -> None:
-        self._stop.set()
-        self._commands.put(None)
+        with self._closing:
+            self._stop.set()
+            self._commands.put(None)
         self._thread.join(timeout=5)
 
     # --- the loop thread ------------------------------------------------------------------------
@@ -102,6 +134,8 @@ class EngineLoop:
                     future.set_result(fn(self.engine))
                 except BaseException as e:     # the caller sees the error; the loop keeps running
                     future.set_exception(e)
+            if self._stop.is_set():      # failed or shut down: the rest fail in the final drain
+                return
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
@@ -134,6 +168,15 @@ class EngineLoop:
                 continue
             self.deliver([(out.request_id, out) for out in outputs])
             self._run_hooks()
+        with self._closing:       # what was submitted but never ran fails (later submits fail at once)
+            self._stop.set()
+            while True:
+                try:
+                    item = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None and item[1].set_running_or_notify_cancel():
+                    item[1].set_exception(self._failure or EngineStopped("the engine loop has stopped"))
 
 
 class ReservationQueue:

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from actors.engine_loop import ReservationQueue
+from actors.engine_loop import EngineStopped, ReservationQueue
 from actors.nixl_transfer import TransferError
 from actors.worker import KV_MANAGER_NAMESPACE, RankGroup
 from engine.llm import EngineConfig
@@ -152,7 +152,17 @@ class EngineReplica:
         (a new replica brings new rank actors)."""
         problems = await asyncio.to_thread(self.group.health_problems)
         if problems:
+            self.lost_rank(problems)
             raise RuntimeError(f"{self.replica_id} cannot serve: {'; '.join(problems)}")
+
+    def lost_rank(self, problems: list[str]) -> None:
+        """A rank cannot serve (``health_problems``): stop serving at once. The requests in flight end with a
+        retryable error, new ones are refused, and nothing more is computed (a dead KV manager's pool may be
+        gone with it), so the replica's devices are free for the one replacing it."""
+        if self.loop.failed:
+            return
+        log.error("%s lost a rank, failing its requests: %s", self.replica_id, "; ".join(problems))
+        self.loop.fail(EngineStopped(f"the {self.role} replica serving this request lost a process; retry it"))
 
     async def rank_infos(self) -> list[str]:
         return list(self.group.rank_infos)
@@ -210,6 +220,10 @@ class AggregatedReplica(EngineReplica):
         except ValueError as e:
             self.loop.close_stream(request_id)
             yield error_chunk(400, str(e), "invalid_request_error")
+            return
+        except EngineStopped as e:
+            self.loop.close_stream(request_id)
+            yield _error_from(e)
             return
         except BaseException:       # cancelled while being added: it may have been added all the same
             self.loop.abort(request_id)
@@ -269,6 +283,9 @@ class PrefillReplica(EngineReplica):
         except ValueError as e:
             self.loop.close_stream(request_id)
             return {"chunk": error_chunk(400, str(e), "invalid_request_error")}
+        except EngineStopped as e:
+            self.loop.close_stream(request_id)
+            return {"chunk": _error_from(e)}
         settled = False       # True once the pages are freed or held under a lease
         try:
             out = await queue.get()
@@ -360,6 +377,9 @@ class DecodeReplica(EngineReplica):
             try:
                 plan = await self._connect(ticket)
                 tables = await self._reserve(ticket)
+            except EngineStopped as e:
+                yield _error_from(e)
+                return
             except Exception as e:
                 status, kind = (400, "invalid_request_error") if type(e) is ValueError else (500, "server_error")
                 yield error_chunk(status, f"decode replica refused the request: {e}", kind)
@@ -436,6 +456,8 @@ def _transfer_failure(ticket: Ticket, error: BaseException) -> TransferError:
 
 
 def _error_from(e: BaseException) -> dict:
+    if isinstance(e, EngineStopped):
+        return error_chunk(503, str(e), "unavailable")
     if isinstance(e, TransferError):
         return error_chunk(500, str(e), "transfer_error")
     return error_chunk(500, f"engine step failed: {type(e).__name__}: {e}")

@@ -338,14 +338,16 @@ class Ingress:
         """Refuse (503) while a role has no healthy replica, as the hub last said. The hub is asked at most every
         READY_TTL_S, and a request never waits for it while the service is known to be ready: a stale answer is
         refreshed in the background (a Serve call, milliseconds on every request's time to first token otherwise).
-        Only a service not known to be ready waits for the fresh answer."""
-        if time.monotonic() - self._ready_at > READY_TTL_S:
-            if not self._ready:
-                await self._snapshots()
-            elif self._refresh is None or self._refresh.done():
-                # In a context of its own: not this request's call (its cancellation must not cancel the refresh).
-                self._refresh = asyncio.get_running_loop().create_task(self._refresh_ready(),
-                                                                       context=contextvars.Context())
+        Only a service not known to be ready waits for a fresh answer, every time."""
+        stale = time.monotonic() - self._ready_at > READY_TTL_S
+        if (stale or not self._ready) and (self._refresh is None or self._refresh.done()):
+            # In a context of its own: not this request's call (its cancellation must not cancel the refresh).
+            self._refresh = asyncio.get_running_loop().create_task(self._refresh_ready(),
+                                                                   context=contextvars.Context())
+        if not self._ready:
+            # Never refused on a stale "not ready" (another ingress may already have seen the role recover):
+            # wait for the refresh in flight, one per ingress however many requests wait on it.
+            await asyncio.shield(self._refresh)
         if not self._ready:
             raise APIError(503, f"no healthy replica for: {', '.join(self._unready)}; retry later", "unavailable",
                            code="unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})

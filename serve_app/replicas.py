@@ -36,6 +36,7 @@ class _Served:
                 interval = self.service.metrics_report_interval_s
                 problems = self.group.health_problems(timeout_s=min(2.0, 4 * interval))
                 if problems:
+                    self.lost_rank(problems)
                     snap = {"role": self.role, "healthy": False, "interval_s": interval, "running": 0, "waiting": 0,
                             "pools": []}
                 else:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from actors.engine_loop import EngineLoop, ReservationQueue
+from actors.engine_loop import EngineLoop, EngineStopped, ReservationQueue
 from engine.llm import EngineConfig
 from engine.sequence import SamplingParams
 from spec_decode import build_engine
@@ -103,3 +103,44 @@ def test_an_invalid_request_fails_and_does_not_block_the_queue(loop):
 
     asyncio.run(scenario())
     assert pages_in_use(loop) == 0
+
+
+def test_a_failed_loop_ends_every_request_frees_their_pages_and_refuses_later_commands(tiny_target, tmp_path):
+    """What a replica that lost a rank does (``EngineReplica.lost_rank``): the requests in flight end with the
+    error at once instead of decoding on, their pages are freed, and nothing submitted later runs or hangs."""
+    drafter = checkpoints.write_tiny_drafter(tmp_path)
+    engine = build_engine(EngineConfig(model=str(tiny_target), draft=str(drafter), num_pages=64))
+    loop = EngineLoop(engine)
+    error = EngineStopped("lost a rank")
+    long = SamplingParams(max_tokens=300, ignore_eos=True)
+
+    async def scenario():
+        streams = [loop.open_stream(r) for r in ("a", "b")]
+        for request_id, prompt in zip(("a", "b"), PROMPTS):
+            await loop.call(lambda e, r=request_id, p=prompt: e.add_request(p, long, request_id=r))
+        for stream in streams:      # both are decoding
+            assert not isinstance(await asyncio.wait_for(stream.get(), 30), BaseException)
+        ran = []
+        loop.fail(error)
+        late = loop.submit(lambda e: ran.append(e))     # behind the failure in the queue: never runs
+        ends = []
+        for stream in streams:
+            item = await asyncio.wait_for(stream.get(), 10)
+            while not isinstance(item, BaseException):
+                assert not item.finished, "a request ran to its end after the failure"
+                item = await asyncio.wait_for(stream.get(), 10)
+            ends.append(item)
+        assert ends == [error, error]
+        with pytest.raises(EngineStopped):
+            await asyncio.wait_for(asyncio.wrap_future(late), 10)
+        assert not ran
+        started = time.monotonic()
+        with pytest.raises(EngineStopped):
+            await asyncio.wait_for(loop.call(lambda e: e.kv.pages_in_use()), 1)
+        assert time.monotonic() - started < 0.5
+
+    asyncio.run(scenario())
+    loop._thread.join(10)
+    assert not loop.alive and not loop._thread.is_alive()
+    assert not engine.requests and engine.kv.pages_in_use() == 0
+    loop.shutdown()        # a failed loop shuts down without blocking

@@ -1,7 +1,8 @@
 """Faults on the disaggregated service (with two ingress replicas, whose /metrics must agree): SIGKILL of the real processes (decode replica, which hosts its rank-0
 worker; decode KV manager; prefill replica; prefill KV manager). Each time: the request in flight ends (with
-an OpenAI-shaped error event that names nothing internal, or its full output), /health turns 503 until the
-role has a healthy replica again, a new request succeeds within 30 s, and no page stays in use."""
+an OpenAI-shaped error event that names nothing internal, or its full output; at once, with an error, when its
+decode replica lost a process), /health turns 503 until the role has a healthy replica again, a new request
+succeeds within RECOVERY_S, and no page stays in use."""
 
 import json
 import os
@@ -20,7 +21,13 @@ from ray import serve  # noqa: E402
 from serve_app.app import build_app  # noqa: E402
 from tests.test_serve_support import free_port, metric_samples, metric_sum, service_args, wait_healthy  # noqa: E402
 
-RECOVERY_S = 30.0
+# Serve's health check notices (a few seconds), then a replica starts cold: a Ray worker process, imports (torch,
+# Serve), the model and a KV manager process. On 2 cores that run the whole service beside the tests this took
+# 15-28 s; a service that never recovers fails all the same.
+RECOVERY_S = 60.0
+# A replica that lost a process fails its streams within its next metrics report (0.2 s here), not after Serve's
+# graceful-shutdown wait (20 s) or the end of the stream.
+FAIL_FAST_S = 10.0
 # What a client must never see: process ids, addresses, actor ids, ANSI escapes, tracebacks, Ray's class names.
 INTERNALS = re.compile(r"pid=|\b\d+\.\d+\.\d+\.\d+\b|[0-9a-f]{24,}|\x1b\[|Traceback|Ray[A-Za-z]*Error|ActorDied|"
                        r"prefill-[0-9a-f]{8}|decode-[0-9a-f]{8}")
@@ -147,7 +154,7 @@ def test_killed_process_is_replaced_and_service_recovers(server, role, kind):
         while not polling.is_set():
             r = httpx.get(f"{server}/health", timeout=10)
             health.append((time.monotonic() - killed, r.status_code, r.json()))
-            time.sleep(0.1)
+            time.sleep(0.25)
 
     poller = threading.Thread(target=poll_health, daemon=True)
     poller.start()
@@ -173,7 +180,10 @@ def test_killed_process_is_replaced_and_service_recovers(server, role, kind):
     for t, out in zip(threads, outs):
         t.join(60)
         assert not t.is_alive(), "a request in flight hangs after the kill"
-        check_ending(out, must_fail=(role, kind) == ("decode", "replica"))
+        check_ending(out, must_fail=role == "decode")
+        if role == "decode":
+            assert out["ended"] - killed < FAIL_FAST_S, f"a stream on the broken replica ran on for " \
+                f"{out['ended'] - killed:.1f} s after the kill"
 
     # A fresh replica replaced the victim, and nothing leaked on the side that survived.
     assert alive_actor(role, kind) != victim
