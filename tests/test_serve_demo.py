@@ -1,10 +1,12 @@
 """The invariants on the path users reach: the demo pair through HTTP, aggregated vs disaggregated vs the ablation.
 
-Three applications on one Serve instance (one aggregated replica; one prefill and one decode replica; the
-same without the draft-layer transfer), requests one at a time so every engine sees the same batch shapes.
+Four applications on one Serve instance (one aggregated replica; one prefill and one decode replica; the
+same without the draft-layer transfer; a prefill replica of TP 1 feeding a decode replica of TP 2, whose ranks
+READ one kv head each), requests one at a time so every engine sees the same batch shapes.
 """
 
 import json
+import re
 from pathlib import Path
 
 import httpx
@@ -18,7 +20,8 @@ pytestmark = pytest.mark.ray
 
 REPO = Path(__file__).resolve().parents[1]
 APPS = {"agg": {"mode": "aggregated"}, "disagg": {"mode": "disaggregated"},
-        "ablate": {"mode": "disaggregated", "transfer_draft_kv": False}}
+        "ablate": {"mode": "disaggregated", "transfer_draft_kv": False},
+        "tp12": {"mode": "disaggregated", "decode": {"num_cpus": 0.25, "tensor_parallel_size": 2}}}
 
 
 def demo_args(overrides: dict) -> dict:
@@ -46,11 +49,15 @@ def heldout_prompts(n: int = 4) -> list[str]:
     return [json.loads(line)["prompt"] for line in lines[:n]]
 
 
-def test_disaggregated_equals_aggregated_and_the_ablation_lowers_acceptance_over_http(demo_service):
+def test_disaggregated_equals_aggregated_and_the_ablation_lowers_acceptance_over_http(demo_service, ray_cluster):
     results = {name: [greedy_completion(f"{demo_service}/{name}", p) for p in heldout_prompts()] for name in APPS}
     agg, disagg, ablate = results["agg"], results["disagg"], results["ablate"]
-    assert [tokens for tokens, _ in disagg] == [tokens for tokens, _ in agg]
-    assert [als for _, als in disagg] == [als for _, als in agg]          # per step, not only on average
+    # The TP 2 decode replica runs a second rank, with its own KV manager (named <role>-<id>-rank<r>).
+    names = [a["name"] for a in ray_cluster.util.list_named_actors(all_namespaces=True)]
+    assert len([n for n in names if re.fullmatch(r"decode-[0-9a-f]{8}-rank1", n)]) == 1, names
+    for split in (disagg, results["tp12"]):
+        assert [tokens for tokens, _ in split] == [tokens for tokens, _ in agg]
+        assert [als for _, als in split] == [als for _, als in agg]          # per step, not only on average
     assert [tokens for tokens, _ in ablate] == [tokens for tokens, _ in agg]  # lossless without the draft KV too
 
     def mean_al(rows):
@@ -59,4 +66,4 @@ def test_disaggregated_equals_aggregated_and_the_ablation_lowers_acceptance_over
 
     assert mean_al(agg) > 2.0                          # a trained drafter
     assert mean_al(ablate) < mean_al(disagg) - 0.05    # the problem the unified pool solves
-    assert wait_pages_free([f"{demo_service}/{name}" for name in APPS]) == [0, 0, 0]
+    assert wait_pages_free([f"{demo_service}/{name}" for name in APPS]) == [0] * len(APPS)
