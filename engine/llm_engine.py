@@ -14,10 +14,12 @@ import torch
 from engine.model import Qwen3Model
 from engine.model_runner import ModelRunner, Row
 from engine.parallel import OP_STOP, OP_SYNC, OP_TARGET
-from engine.sampler import LogitsBlock, LogitsState, accept_greedy, adjust_logits, sample, token_logprobs
+from engine.sampler import (LogitsBlock, LogitsState, accept_greedy, adjust_logits, probabilities, rejection_sample,
+                            sample, token_logprobs)
 from engine.scheduler import ScheduledRequest, Scheduler
 from engine.sequence import Request, RequestStatus, SamplingParams, SpecStats, TokenLogprob
 from engine.tokenizer import Tokenizer
+from kv.device_tables import upload
 from kv.layout import KVLayout
 from kv.manager import KVCacheManager
 
@@ -38,10 +40,9 @@ class Speculator(Protocol):
     num_spec_tokens: int
     capture_layers: tuple[int, ...]
 
-    def propose(self, rows: Sequence[ScheduledRequest]) -> list[Proposal]: ...
-
-    def verify(self, request: Request, proposal: Proposal, target_logits: torch.Tensor) -> list[int]:
-        """A sampled request's accepted drafts plus one token (greedy rows the step verifies itself)."""
+    def propose(self, rows: Sequence[ScheduledRequest]) -> list[Proposal]:
+        """Drafts per row; a sampled row's carry the distributions they were drawn from (the step verifies every
+        row itself: greedy by exact match, sampled by rejection sampling against those distributions)."""
         ...
 
     def store_context(self, items: Sequence[tuple[Request, int, torch.Tensor]]) -> None: ...
@@ -93,6 +94,9 @@ class LLMEngine:
         self.speculator = speculator
         self.max_model_len = max_model_len
         self.runner = ModelRunner(model, kv, backend)
+        for space in range(len(kv.pools)):
+            # Room for every running request's longest table (held and transferring ones may grow it).
+            kv.device_block_tables(space, model.device, rows=2 * max_num_seqs, pages=kv.pages_needed(max_model_len))
         self.scheduler = Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    num_spec_tokens=speculator.num_spec_tokens if speculator else 0,
                                    max_model_len=max_model_len)
@@ -148,6 +152,9 @@ class LLMEngine:
         return request
 
     def _new_request(self, request_id: str, ids: list[int], params: SamplingParams, **fields) -> Request:
+        if params.seed is not None:
+            # On the device: seeded draws need no host round trip (and repeat on one kind of device).
+            fields["generator"] = torch.Generator(device=self.model.device).manual_seed(params.seed)
         request = Request(request_id, ids, params, **fields)
         request.logits_state = LogitsState.for_request(params, ids, self.model.config.vocab_size,
                                                        self.eos_token_ids, self.model.device)
@@ -303,6 +310,52 @@ class LLMEngine:
                     self._finish(item.request, "error")
             raise
 
+    def _choose_tokens(self, scheduled: list[ScheduledRequest], slices: list[slice | None],
+                       proposals: list[Proposal | None], logits: torch.Tensor) -> list[list[int]]:
+        """Every row's new tokens, decided on the device and brought to the host in one transfer for the whole
+        step: greedy rows (plain and speculative) from one argmax of all logit rows, sampled plain rows in one
+        batched draw, and sampled speculative rows by batched rejection sampling (one batch per draft count)."""
+        device = logits.device
+        rows = [i for i in range(len(scheduled)) if slices[i] is not None]
+        greedy = [i for i in rows if scheduled[i].request.params.greedy]
+        plain = [i for i in rows if not (proposals[i] and proposals[i].tokens) and not scheduled[i].request.params.greedy]
+        spec: dict[int, list[int]] = {}
+        for i in rows:
+            if proposals[i] and proposals[i].tokens and not scheduled[i].request.params.greedy:
+                spec.setdefault(len(proposals[i].tokens), []).append(i)
+        pieces: list[torch.Tensor] = []      # long tensors on the device, all fetched at once
+        if greedy:
+            pieces.append(logits.argmax(-1))
+        if plain:
+            pieces.append(sample(logits[upload([slices[i].start for i in plain], torch.int64, device)],
+                                 [scheduled[i].request.params for i in plain],
+                                 [scheduled[i].request.generator for i in plain]))
+        for k, group in spec.items():
+            index = upload([j for i in group for j in range(slices[i].start, slices[i].stop)], torch.int64, device)
+            params = [scheduled[i].request.params for i in group for _ in range(k + 1)]
+            p = probabilities(logits[index], params).view(len(group), k + 1, -1)
+            q = torch.stack([proposals[i].probs for i in group])
+            drafts = upload([proposals[i].tokens for i in group], torch.int64, device)
+            tokens, num_accepted = rejection_sample(drafts, q, p, [scheduled[i].request.generator for i in group])
+            pieces += [tokens.flatten(), num_accepted]
+        host = torch.cat(pieces).tolist() if pieces else []
+        out: list[list[int]] = [[] for _ in scheduled]
+        at = 0
+        if greedy:
+            best, at = host[:logits.shape[0]], logits.shape[0]
+            for i in greedy:
+                drafts = proposals[i].tokens if proposals[i] is not None else []
+                out[i] = accept_greedy(drafts, best[slices[i]])
+        for n, i in enumerate(plain):
+            out[i] = [host[at + n]]
+        at += len(plain)
+        for k, group in spec.items():
+            tokens, num_accepted = host[at:at + len(group) * (k + 1)], host[at + len(group) * (k + 1):]
+            for n, i in enumerate(group):
+                out[i] = tokens[n * (k + 1):n * (k + 1) + num_accepted[n] + 1]
+            at += len(group) * (k + 2)
+        return out
+
     def _run(self, scheduled: list[ScheduledRequest]) -> list[RequestOutput]:
         spec = self.speculator
         clock = self._phase_clock()
@@ -333,26 +386,12 @@ class LLMEngine:
                   for i, item in enumerate(scheduled) if slices[i] is not None and item.request.logits_state]
         logits = adjust_logits(raw_logits, blocks) if blocks else raw_logits
 
-        # Greedy rows, plain and speculative alike, come to the host in one argmax of every logits row: one
-        # transfer per step, not one per request. Sampled rows sample (and rejection-sample) on their own.
-        greedy = any(slices[i] is not None and item.request.params.greedy for i, item in enumerate(scheduled))
-        best = logits.argmax(-1).tolist() if greedy else None
-        plain = [i for i, item in enumerate(scheduled) if slices[i] is not None and row_proposals[i] is None]
-        plain_tokens = dict(zip(plain, sample(
-            logits[[slices[i].start for i in plain]], [scheduled[i].request.params for i in plain],
-            [scheduled[i].request.generator for i in plain],
-            None if best is None else [best[slices[i].start] for i in plain]))) if plain else {}
-        new_tokens: list[list[int]] = []
-        for i, item in enumerate(scheduled):
-            r, proposal = item.request, row_proposals[i]
+        new_tokens = self._choose_tokens(scheduled, slices, row_proposals, logits)
+        for i, proposal in enumerate(row_proposals):
             if proposal is not None:
-                new_tokens.append(accept_greedy(proposal.tokens, best[slices[i]]) if r.params.greedy
-                                  else spec.verify(r, proposal, logits[slices[i]]))
                 accepted = len(new_tokens[i]) - 1
-                r.spec.record(len(proposal.tokens), accepted)
+                scheduled[i].request.spec.record(len(proposal.tokens), accepted)
                 self.spec_stats.record(len(proposal.tokens), accepted)
-            else:
-                new_tokens.append([plain_tokens[i]] if slices[i] is not None else [])
         logprobs = self._logprobs(raw_logits, scheduled, slices, new_tokens)
 
         outputs, context_items, flat = [], [], 0

@@ -10,6 +10,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.model import LayerKV, Qwen3Model
 from engine.parallel import OP_TARGET, Message
+from kv.device_tables import upload
 from kv.manager import KVCacheManager
 from kv.spec import LayerOwner
 
@@ -26,34 +27,39 @@ class Row:
 def build_metadata(kv: KVCacheManager, space: int, rows: Sequence[Row], *, causal: bool, backend: str,
                    device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
     """Positions [T] and attention metadata of ``rows`` over page space ``space``; K/V of every row's
-    positions are stored into that space's pages at their slots."""
+    positions are stored into that space's pages at their slots.
+
+    Block tables stay on the device (``kv.device_block_tables``): the host sends each row's start, length and
+    table row (and the pages the step's requests gained), and positions, slots and the batch's block tables are
+    computed there."""
     page_size = kv.page_size
     tables = [kv.block_table(r.request_id, space) for r in rows]
-    positions, slots, q_lens, seq_lens = [], [], [], []
     for row, table in zip(rows, tables):
-        end = row.start + row.num_tokens
-        if -(-end // page_size) > len(table):
-            raise RuntimeError(f"request {row.request_id}: positions up to {end} exceed its {len(table)} pages")
-        pos = range(row.start, end)
-        positions.extend(pos)
-        slots.extend(table[p // page_size] * page_size + p % page_size for p in pos)
-        q_lens.append(row.num_tokens)
-        seq_lens.append(end)
-    width = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    query_start = torch.zeros(len(rows) + 1, dtype=torch.int32)
-    query_start[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
+        if -(-(row.start + row.num_tokens) // page_size) > len(table):
+            raise RuntimeError(f"request {row.request_id}: positions up to {row.start + row.num_tokens} exceed its "
+                               f"{len(table)} pages")
+    mirror = kv.device_block_tables(space, device)
+    table_rows = mirror.rows([r.request_id for r in rows], tables)
+    starts, lengths, table_rows = upload([[r.start for r in rows], [r.num_tokens for r in rows], table_rows],
+                                         torch.int64, device)
+    num_tokens = sum(r.num_tokens for r in rows)
+    query_start = torch.zeros(len(rows) + 1, dtype=torch.int64, device=device)
+    torch.cumsum(lengths, 0, out=query_start[1:])
+    token_row = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths, output_size=num_tokens)
+    positions = starts[token_row] + torch.arange(num_tokens, device=device) - query_start[token_row]
+    block_tables = mirror.table[table_rows, :max(len(t) for t in tables)]
+    slots = block_tables[token_row, positions // page_size].long() * page_size + positions % page_size
     meta = AttentionMetadata(
-        query_start_loc=query_start.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=block_tables.to(device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
+        query_start_loc=query_start.int(),
+        seq_lens=(starts + lengths).int(),
+        block_tables=block_tables,
+        slot_mapping=slots,
+        max_query_len=max(r.num_tokens for r in rows),
+        max_seq_len=max(r.start + r.num_tokens for r in rows),
         causal=causal,
         backend=backend,
     )
-    return torch.tensor(positions, dtype=torch.int64, device=device), meta
+    return positions, meta
 
 
 def pack_inputs(ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -104,8 +110,7 @@ class ModelRunner:
         indices ``logit_rows`` and the captured hidden states of every token (or None)."""
         positions, meta = build_metadata(self.kv, self.target_space, rows, causal=True, backend=self.backend,
                                          device=self.device)
-        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-        index = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
+        ids, index = upload(token_ids, torch.int64, self.device), upload(logit_rows, torch.int64, self.device)
         if self.tp is not None:
             ints, tensors = pack_inputs(ids, positions, meta)
             self.tp.publish(OP_TARGET, ints + list(capture_layers), tensors + [index])

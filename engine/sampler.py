@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sequence import SamplingParams, TokenLogprob
+from kv.device_tables import upload
 
 
 class LogitsState:
@@ -46,7 +47,7 @@ class LogitsState:
     def add(self, tokens: Sequence[int]) -> None:
         """Count newly emitted output tokens."""
         if self.counts is not None and tokens:
-            ids = torch.tensor(tokens, device=self.device)
+            ids = upload(tokens, torch.int64, self.device)
             self.counts.index_add_(0, ids, torch.ones(len(tokens), device=self.device))
 
 
@@ -76,7 +77,7 @@ def adjust_logits(logits: torch.Tensor, blocks: Sequence[LogitsBlock]) -> torch.
         before.extend(range(block.num_output, block.num_output + block.num_rows))
         # The token counted from row k + 1 on (row 0 adds none: it follows the output alone).
         prev.extend([-1] + drafts + [-1] * (block.num_rows - 1 - len(drafts)))
-    rows_t, owner_t, first_t, before_t, prev_t = torch.tensor([rows, owner, first, before, prev], device=device)
+    rows_t, owner_t, first_t, before_t, prev_t = upload([rows, owner, first, before, prev], torch.int64, device)
     x = logits.index_select(0, rows_t)                                    # [R, V]
     states = [block.state for block in blocks]
 
@@ -88,12 +89,12 @@ def adjust_logits(logits: torch.Tensor, blocks: Sequence[LogitsBlock]) -> torch.
         return torch.stack([blank if t is None else t for t in rows_of]).index_select(0, owner_t)
 
     def per_row(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, device=device, dtype=x.dtype).index_select(0, owner_t)[:, None]
+        return upload(values, x.dtype, device).index_select(0, owner_t)[:, None]
 
     if any(s.bias is not None for s in states):
         x = x + table("bias", 0.0)
     if any(s.stop_mask is not None for s in states):
-        min_tokens = torch.tensor([s.params.min_tokens for s in states], device=device).index_select(0, owner_t)
+        min_tokens = upload([s.params.min_tokens for s in states], torch.int64, device).index_select(0, owner_t)
         x = x.masked_fill(table("stop_mask", False) & (before_t < min_tokens)[:, None], float("-inf"))
     if any(s.counts is not None for s in states):
         # Counts before row k = the output's counts + drafts[:k]: a cumulative one-hot over the flat rows,
@@ -125,46 +126,89 @@ def token_logprobs(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[i
             for token, v, i, n in zip(tokens, values, ids, num_top)]
 
 
-def _filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature-scaled logits of one distribution with everything outside top-k / top-p set to -inf."""
-    logits = logits.float() / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass before it already reaches top_p (the first token always stays).
-        drop = (probs.cumsum(-1) - probs) >= params.top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return logits
+def probabilities(logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParams]) -> torch.Tensor:
+    """The distributions rows of ``logits`` [N, V] sample from, all rows at once: ``[N, V]`` float32. ``params``:
+    one for every row, or one per row. Greedy rows are one-hot; the others are temperature-scaled, then cut to
+    their top-k and top-p (one sort for all rows, and none when no row filters)."""
+    rows = logits.shape[0]
+    per_row = [params] * rows if isinstance(params, SamplingParams) else list(params)
+    if len(per_row) != rows:
+        raise ValueError(f"{len(per_row)} sampling parameters for {rows} logit rows")
+    device, vocab = logits.device, logits.shape[-1]
+    greedy = [p.greedy for p in per_row]
+    x = logits.float() / upload([1.0 if g else p.temperature for g, p in zip(greedy, per_row)], torch.float32,
+                                device)[:, None]
+    top_k = [p.top_k if not g and p.top_k and p.top_k < vocab else vocab for g, p in zip(greedy, per_row)]
+    top_p = [1.0 if g else p.top_p for g, p in zip(greedy, per_row)]
+    if min(top_k) < vocab or min(top_p) < 1.0:
+        ordered, order = x.sort(-1, descending=True)
+        # Top-k keeps every token at least as likely as the k-th (ties stay in).
+        kth = ordered.gather(1, upload(top_k, torch.int64, device)[:, None] - 1)
+        ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+        # Top-p drops a token when the mass before it already reaches top_p (the first token always stays).
+        mass = ordered.softmax(-1)
+        drop = (mass.cumsum(-1) - mass) >= upload(top_p, torch.float32, device)[:, None]
+        x = torch.full_like(x, float("-inf")).scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
+    probs = x.softmax(-1)
+    if any(greedy):
+        one_hot = torch.nn.functional.one_hot(logits.argmax(-1), vocab).float()
+        probs = torch.where(upload(greedy, torch.bool, device)[:, None], one_hot, probs)
+    return probs
 
 
-def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a request samples from: ``[..., V]`` float32 (one-hot for greedy)."""
-    if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    return _filter_logits(logits, params).softmax(-1)
+def _noise(shape: Sequence[int], generators: Sequence[torch.Generator | None], device: torch.device,
+           fill) -> torch.Tensor:
+    """A tensor of ``shape`` [R, ...] filled by ``fill(tensor, generator)``: block r from ``generators[r]`` when it
+    has one (a seeded request), the others in one draw from the default generator."""
+    out = torch.empty(shape, device=device)
+    seeded = [r for r, g in enumerate(generators) if g is not None]
+    if len(seeded) < len(generators):
+        fill(out, None)
+    for r in seeded:
+        fill(out[r], generators[r])
+    return out
 
 
-def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of ``probs`` [N, V], drawn with ``generator`` (on CPU for reproducibility)."""
-    if generator is None:
-        return torch.multinomial(probs, 1).squeeze(-1)
-    draws = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1)
-    return draws.to(probs.device)
+def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """A token per distribution of ``probs`` [R, ..., V] (block r belongs to the request of ``generators[r]``), on
+    the device and without a host sync: the exponential race argmax(p / E), E ~ Exp(1), which draws token t with
+    probability p[t]. A seeded request's generator lives on the device: its draws repeat on one kind of device."""
+    noise = _noise(probs.shape, generators, probs.device, lambda t, g: t.exponential_(generator=g))
+    return probs.div(noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(-1)
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None], greedy_ids: Sequence[int] | None = None) -> list[int]:
-    """One token for each row of ``logits`` [B, V]; greedy rows in one argmax (``greedy_ids``: that argmax,
-    already on the host)."""
-    out = list(greedy_ids) if greedy_ids is not None else logits.argmax(-1).tolist()
-    for i, (p, g) in enumerate(zip(params, generators)):
-        if not p.greedy:
-            out[i] = int(sample_from(probabilities(logits[i:i + 1], p), g)[0])
-    return out
+           generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of ``logits`` [B, V], on the device (greedy rows take the argmax)."""
+    return draw(probabilities(logits, params), generators)
+
+
+def rejection_sample(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
+                     generators: Sequence[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling for R requests of K drafts each, batched on the device.
+
+    ``drafts`` [R, K] were drawn from the drafter's ``q`` [R, K, V]; ``p`` [R, K+1, V] is the target's distribution
+    after the anchor and each draft. Draft k is accepted with probability min(1, p(x) / q(x)) while every draft
+    before it was; at the first rejection a token is drawn from normalise(max(p - q, 0)) there, and after K
+    acceptances from p[K]. The output follows p exactly. Returns ``(tokens [R, K+1], num_accepted [R])``: request r
+    emits ``tokens[r, :num_accepted[r] + 1]``.
+    """
+    num_rows, k = drafts.shape
+    device = p.device
+    uniform = _noise((num_rows, k), generators, device, lambda t, g: t.uniform_(generator=g))
+    index = drafts[..., None]
+    p_x, q_x = p[:, :k].gather(2, index).squeeze(-1), q.float().gather(2, index).squeeze(-1)
+    accepted = (q_x > 0) & (uniform * q_x < p_x)
+    num_accepted = accepted.long().cumprod(1).sum(1)
+    rows = torch.arange(num_rows, device=device)
+    p_at = p[rows, num_accepted]                                          # [R, V]
+    q_at = q.float()[rows, num_accepted.clamp_max(k - 1)] * (num_accepted < k)[:, None]   # 0 after K acceptances
+    residual = (p_at - q_at).clamp_min(0)
+    total = residual.sum(-1, keepdim=True)
+    # p == q on the support leaves an empty residual; drawing from p is exact then.
+    last = draw(torch.where(total > 0, residual / total.clamp_min(torch.finfo(total.dtype).tiny), p_at), generators)
+    tokens = torch.cat([drafts, drafts.new_zeros(num_rows, 1)], 1).scatter(1, num_accepted[:, None], last[:, None])
+    return tokens, num_accepted
 
 
 def accept_greedy(drafts: Sequence[int], target_ids: Sequence[int]) -> list[int]:

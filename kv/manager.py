@@ -11,7 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from kv.allocator import PageAllocator, chain_hash
+from kv.device_tables import DeviceBlockTables
 from kv.pool import KVPool
 from kv.spec import LayerOwner
 
@@ -50,6 +53,7 @@ class KVCacheManager:
         self.hash_fn = hash_fn
         self.allocators = [PageAllocator(pool.num_pages, hash_fn) for pool in self.pools]
         self._requests: dict[str, _RequestPages] = {}
+        self._device_tables: dict[tuple[int, str], DeviceBlockTables] = {}
 
     # --- layout ---------------------------------------------------------------------------------
     @property
@@ -76,6 +80,15 @@ class KVCacheManager:
 
     def block_table(self, request_id: str, space: int = 0) -> list[int]:
         return self._requests[request_id].tables[space]
+
+    def device_block_tables(self, space: int, device: torch.device, rows: int = 64,
+                            pages: int = 64) -> DeviceBlockTables:
+        """The device copy of space ``space``'s block tables on ``device`` (made at first use with room for ``rows``
+        requests of ``pages`` pages; it grows beyond). Freed requests leave it with their pages."""
+        key = (space, str(torch.device(device)))
+        if key not in self._device_tables:
+            self._device_tables[key] = DeviceBlockTables(device, rows, pages)
+        return self._device_tables[key]
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -200,6 +213,8 @@ class KVCacheManager:
         state = self._requests.pop(request_id, None)
         if state is None:
             return
+        for mirror in self._device_tables.values():
+            mirror.release(request_id)
         for alloc, table in zip(self.allocators, state.tables):
             # Free in reverse so the tail of a sequence is evicted before its shared head.
             alloc.free(list(reversed(table)))

@@ -1,4 +1,4 @@
-"""DFlash speculative decoding over the engine: the drafter (serving and training), drafting and verification,
+"""DFlash speculative decoding over the engine: the drafter (serving and training), drafting (the engine verifies),
 and the engine composed with it: ``build_engine`` (the Ray actors) and ``LLM`` (offline)."""
 
 from spec_decode.dflash import DFlashFactory, DFlashSpeculator, UnboundDFlash

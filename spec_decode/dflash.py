@@ -12,13 +12,13 @@ from engine.llm_engine import Proposal
 from engine.model import Qwen3Model
 from engine.model_runner import Row, build_metadata, layer_kv_of, pack_inputs, unpack_inputs
 from engine.parallel import OP_CLEAR, OP_DRAFT, OP_STORE, Message
-from engine.sampler import LogitsBlock, adjust_logits, probabilities, sample_from
+from engine.sampler import LogitsBlock, adjust_logits, draw, probabilities
 from engine.scheduler import ScheduledRequest
 from engine.sequence import Request
+from kv.device_tables import upload
 from kv.manager import KVCacheManager
 from kv.spec import LayerOwner
 from spec_decode.drafter import DFlashDrafter
-from spec_decode.verify import verify_greedy, verify_sampling
 
 
 class DFlashSpeculator:
@@ -58,8 +58,7 @@ class DFlashSpeculator:
         rows = [Row(r.request_id, r.num_computed_tokens, width) for r in requests]
         positions, meta = build_metadata(self.kv, self.space, rows, causal=False, backend=self.backend, device=device)
         mask = self.drafter.config.mask_token_id
-        ids = torch.tensor([t for r in requests for t in [r.all_token_ids[-1]] + [mask] * num_drafts],
-                           dtype=torch.int64, device=device)
+        ids = upload([t for r in requests for t in [r.all_token_ids[-1]] + [mask] * num_drafts], torch.int64, device)
         if self.tp is not None:
             ints, tensors = pack_inputs(ids, positions, meta)
             self.tp.publish(OP_DRAFT, ints + [len(requests), width], tensors)
@@ -85,20 +84,22 @@ class DFlashSpeculator:
                       for j, r in enumerate(rows[i].request for i in group) if r.logits_state is not None]
             if blocks:
                 logits = adjust_logits(logits.flatten(0, 1), blocks).view_as(logits)
-            greedy = logits.argmax(-1).tolist()
+            # Greedy rows take the argmax, sampled rows draw from their distributions, all on the device; the drafts
+            # come to the host in one transfer per draft count.
+            drafts = logits.argmax(-1)
+            requests = [rows[i].request for i in group]
+            sampled = [j for j, r in enumerate(requests) if not r.params.greedy]
+            q = None
+            if sampled:
+                index = upload(sampled, torch.int64, logits.device)
+                q = probabilities(logits[index].flatten(0, 1), [requests[j].params for j in sampled
+                                                                  for _ in range(count)]).view(len(sampled), count, -1)
+                drafts = drafts.index_copy(0, index, draw(q, [requests[j].generator for j in sampled]))
+            host = drafts.tolist()
+            where = {j: n for n, j in enumerate(sampled)}
             for j, i in enumerate(group):
-                request = rows[i].request
-                if request.params.greedy:
-                    proposals[i] = Proposal(greedy[j])
-                else:
-                    q = probabilities(logits[j], request.params)
-                    proposals[i] = Proposal(sample_from(q, request.generator).tolist(), q)
+                proposals[i] = Proposal(host[j], q[where[j]] if j in where else None)
         return [proposals[i] for i in range(len(rows))]
-
-    def verify(self, request: Request, proposal: Proposal, target_logits: torch.Tensor) -> list[int]:
-        if request.params.greedy:
-            return verify_greedy(proposal.tokens, target_logits)
-        return verify_sampling(proposal.tokens, proposal.probs, target_logits, request.params, request.generator)
 
     @torch.inference_mode()
     def store_context(self, items: Sequence[tuple[Request, int, torch.Tensor]]) -> None:

@@ -69,7 +69,7 @@ def test_top_k_and_top_p_keep_only_their_tokens():
     cold = probabilities(logits, SamplingParams(temperature=0.25))[0]
     assert cold[0] > probs[0]                                     # lower temperature sharpens
     g = torch.Generator().manual_seed(0)
-    draws = [sample(logits, [SamplingParams(temperature=1.0, top_k=3, seed=1)], [g])[0] for _ in range(300)]
+    draws = [int(sample(logits, [SamplingParams(temperature=1.0, top_k=3, seed=1)], [g])[0]) for _ in range(300)]
     assert set(draws) <= {0, 1, 2} and len(set(draws)) == 3
 
 

@@ -1,5 +1,7 @@
 """KVCacheManager: block tables, lookahead, prefix reuse (target required, draft optional), fork, free."""
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import settings
@@ -553,3 +555,63 @@ def test_a_request_pages_come_in_runs_one_per_chunk_at_worst():
     assert kv.block_table("d", 0) == list(range(0, 10))
     assert kv.allocate_slots("d", 12 * PS)       # and it grows in place
     assert runs(kv.block_table("d", 0)) == 1
+
+
+@pytest.mark.parametrize("layout", ["unified", "separate"])
+def test_device_block_tables_follow_every_change_and_give_the_metadata_of_the_lists(layout):
+    """A step's metadata comes from the device copy of the block tables, which is only updated incrementally
+    (pages a request gained, rows of freed requests reused, the tensor grown past its first size). Over a random
+    history of admissions, growth, forks and frees, it must equal what the host's lists say."""
+    import random
+
+    from engine.model_runner import Row, build_metadata
+
+    rng = random.Random(7)
+    kv = make_manager(layout, num_pages=64, lookahead_tokens=1)
+    for space in range(len(kv.pools)):
+        kv.device_block_tables(space, torch.device("cpu"), rows=2, pages=2)     # small: it must grow
+    lengths: dict[str, int] = {}
+    for step in range(300):
+        op = rng.random()
+        live = sorted(lengths)
+        if op < 0.3 or not live:
+            rid = f"r{step}"
+            tokens = [rng.randrange(5) for _ in range(rng.randrange(1, 12))]
+            if kv.allocate_slots(rid, len(tokens), kv.probe_prefix(tokens)):
+                kv.commit(rid, tokens, len(tokens))
+                lengths[rid] = len(tokens)
+        elif op < 0.65:
+            rid = rng.choice(live)
+            if kv.allocate_slots(rid, lengths[rid] + 3):
+                lengths[rid] += 3
+        elif op < 0.75:
+            parent, child = rng.choice(live), f"f{step}"
+            if kv.num_available() > 8:
+                kv.fork(parent, child, lengths[parent])
+                lengths[child] = lengths[parent]
+        else:
+            rid = rng.choice(live)
+            kv.free(rid)
+            del lengths[rid]
+        live = sorted(lengths)
+        if not live:
+            continue
+        batch = rng.sample(live, rng.randint(1, len(live)))
+        rows = [Row(r, s, lengths[r] - s) for r in batch for s in [rng.randrange(lengths[r])]]
+        for space in range(len(kv.pools)):
+            positions, meta = build_metadata(kv, space, rows, causal=True, backend="torch", device=torch.device("cpu"))
+            tables = [kv.block_table(r.request_id, space) for r in rows]
+            width = max(map(len, tables))
+            want_positions = [p for r in rows for p in range(r.start, r.start + r.num_tokens)]
+            owners = [t for r, t in zip(rows, tables) for _ in range(r.num_tokens)]
+            assert positions.tolist() == want_positions
+            assert meta.slot_mapping.tolist() == [t[p // PS] * PS + p % PS for t, p in zip(owners, want_positions)]
+            assert meta.block_tables.tolist() == [t + [0] * (width - len(t)) for t in tables]    # unused: 0
+            assert meta.block_tables.shape == (len(rows), width)
+            assert meta.seq_lens.tolist() == [r.start + r.num_tokens for r in rows]
+            assert meta.query_start_loc.tolist() == [0] + list(itertools.accumulate(r.num_tokens for r in rows))
+    mirrors = [kv.device_block_tables(space, torch.device("cpu")) for space in range(len(kv.pools))]
+    assert all(m.table.shape[0] > 2 and m.table.shape[1] > 2 for m in mirrors)        # it grew
+    for rid in list(lengths):
+        kv.free(rid)
+    assert all(len(m) == 0 for m in mirrors)        # every row given back with its request's pages

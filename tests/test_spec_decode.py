@@ -12,7 +12,6 @@ from kv import LayerOwner
 from kv.layout import LayoutConfig, decide_layout
 from spec_decode import LLM, dflash
 from spec_decode.drafter import DFlashConfig, DFlashDrafter, checkpoint_shapes
-from spec_decode.verify import verify_sampling
 from tests import checkpoints
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(10, 42)), [5] * 16, [100], list(range(60, 68))]
@@ -414,15 +413,18 @@ def penalised_by_hand(logits, prompt, output):
 
 @pytest.mark.parametrize("case", ["plain", "penalised"])
 def test_speculative_sampling_follows_target_distribution(case):
-    """Rejection sampling over a 6-token vocabulary: the emitted first token follows p, not q; penalised, p at
-    verify row k counts the k drafts before it."""
-    from engine.sampler import LogitsBlock, LogitsState, adjust_logits, probabilities
+    """Rejection sampling over a 6-token vocabulary, 8,000 requests in one batch: the emitted first token follows
+    p, not q; penalised, p at verify row k counts the k drafts before it."""
+    from engine.sampler import LogitsBlock, LogitsState, adjust_logits, probabilities, rejection_sample
 
     torch.manual_seed(0)
     target_logits = torch.randn(3, 6) * 1.5
     draft_logits = torch.randn(2, 6) * 1.5
     params = SamplingParams(temperature=1.0, **(PENALISED if case == "penalised" else {}))
     q = probabilities(draft_logits, SamplingParams(temperature=1.0))
+    n = 8000
+    drafts = torch.multinomial(q, n, replacement=True).T                   # [n, 2]: each request's two drafts
+    logits = target_logits.repeat(n, 1)
     if case == "penalised":
         prompt, output = [1], [2]              # the request so far
         state = LogitsState(params, prompt, vocab_size=6, eos_token_ids=(), device=torch.device("cpu"))
@@ -431,24 +433,18 @@ def test_speculative_sampling_follows_target_distribution(case):
         after = int(torch.minimum(p0, q[0]).argmax())   # the most often accepted draft: most samples after it
         p1 = penalised_by_hand(target_logits[1], prompt, output + [after]).softmax(-1)
         stale_p1 = penalised_by_hand(target_logits[1], prompt, output).softmax(-1)
+        logits = adjust_logits(logits, [LogitsBlock(state, 3 * r, 3, len(output), drafts[r].tolist())
+                                        for r in range(n)])
     else:
         p0, p1 = probabilities(target_logits[:2], params)
         after = 3
-    g = torch.Generator().manual_seed(1234)
-    n = 8000
-    first = torch.zeros(6)
-    second = torch.zeros(6)
-    n_second = 0
-    for _ in range(n):
-        drafts = [int(torch.multinomial(q[k], 1, generator=g)) for k in range(2)]
-        logits = target_logits
-        if case == "penalised":
-            logits = adjust_logits(target_logits, [LogitsBlock(state, 0, 3, len(output), drafts)])
-        out = verify_sampling(drafts, q, logits, params, g)
-        first[out[0]] += 1
-        if len(out) > 1 and out[0] == after:
-            second[out[1]] += 1
-            n_second += 1
+    p = probabilities(logits, params).view(n, 3, 6)
+    tokens, num_accepted = rejection_sample(drafts, q.expand(n, 2, 6), p, [None] * n)
+    assert ((tokens[:, :2] == drafts) | (torch.arange(2)[None, :] >= num_accepted[:, None])).all()
+    first = torch.bincount(tokens[:, 0], minlength=6).float()
+    follows = (num_accepted >= 1) & (tokens[:, 0] == after)
+    second = torch.bincount(tokens[follows, 1], minlength=6).float()
+    n_second = int(follows.sum())
     # Chi-square against p with 5 degrees of freedom: 20.5 is the 0.1% critical value.
     expected = p0 * n
     chi2 = ((first - expected) ** 2 / expected).sum().item()
@@ -462,6 +458,37 @@ def test_speculative_sampling_follows_target_distribution(case):
     if case == "penalised":
         # As would counts that miss the draft accepted before row 1.
         assert ((second - stale_p1 * n_second) ** 2 / (stale_p1 * n_second)).sum().item() > 20.5
+
+
+def test_batched_sampling_mixes_parameters_per_row_and_seeded_rows_repeat():
+    """One ``probabilities`` call over rows of different parameters equals each row's alone; a seeded row's draws
+    (plain and rejection sampling) depend on its generator alone, not on the rows batched beside it."""
+    from engine.sampler import draw, probabilities, rejection_sample
+
+    torch.manual_seed(3)
+    logits = torch.randn(4, 50) * 2
+    params = [SamplingParams(temperature=0.7, top_k=5), SamplingParams(), SamplingParams(temperature=1.3, top_p=0.8),
+              SamplingParams(temperature=1.0, top_k=10, top_p=0.5)]
+    together = probabilities(logits, params)
+    alone = torch.cat([probabilities(logits[i:i + 1], p) for i, p in enumerate(params)])
+    assert torch.equal(together, alone)
+    assert torch.equal(together[1], torch.nn.functional.one_hot(logits[1].argmax(), 50).float())   # greedy
+    assert int((together[0] > 0).sum()) == 5 and torch.allclose(together.sum(-1), torch.ones(4))
+
+    def seeded(seed):
+        return torch.Generator().manual_seed(seed)
+
+    probs = together[[0, 2, 3]]
+    a = draw(probs, [seeded(1), None, seeded(2)])
+    b = draw(probs, [seeded(1), seeded(9), seeded(2)])
+    assert a[0] == b[0] and a[2] == b[2]
+    q = torch.randn(3, 4, 50).softmax(-1)
+    p = torch.randn(3, 5, 50).softmax(-1)
+    drafts = torch.stack([torch.multinomial(q[r], 1).squeeze(-1) for r in range(3)])
+    t1, n1 = rejection_sample(drafts, q, p, [seeded(5), None, seeded(6)])
+    t2, n2 = rejection_sample(drafts, q, p, [seeded(5), seeded(7), seeded(6)])
+    for r in (0, 2):
+        assert n1[r] == n2[r] and torch.equal(t1[r, :n1[r] + 1], t2[r, :n2[r] + 1])
 
 
 def test_seeded_speculative_sampling_is_reproducible(tiny_target, drafter_dir):
