@@ -28,10 +28,15 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Proposal:
-    """Drafts for one decode row, and the drafter's distributions over them when sampling (None: greedy)."""
+    """Drafts for one decode row, on the device (they go into the verification forward and are compared there,
+    never to the host), and the drafter's distributions over them when sampling (None: greedy)."""
 
-    tokens: list[int]
+    tokens: torch.Tensor                   # [K] int64
     probs: torch.Tensor | None = None      # [K, V]
+
+    @property
+    def num_drafts(self) -> int:
+        return self.tokens.shape[0]
 
 
 class Speculator(Protocol):
@@ -313,43 +318,47 @@ class LLMEngine:
     def _choose_tokens(self, scheduled: list[ScheduledRequest], slices: list[slice | None],
                        proposals: list[Proposal | None], logits: torch.Tensor) -> list[list[int]]:
         """Every row's new tokens, decided on the device and brought to the host in one transfer for the whole
-        step: greedy rows (plain and speculative) from one argmax of all logit rows, sampled plain rows in one
-        batched draw, and sampled speculative rows by batched rejection sampling (one batch per draft count)."""
+        step (the step's one host sync): greedy plain rows from one argmax of all logit rows, sampled plain rows
+        in one batched draw, speculative rows verified in one batch per draft count and kind (greedy: exact
+        match against that argmax; sampled: rejection sampling)."""
         device = logits.device
-        rows = [i for i in range(len(scheduled)) if slices[i] is not None]
-        greedy = [i for i in rows if scheduled[i].request.params.greedy]
-        plain = [i for i in rows if not (proposals[i] and proposals[i].tokens) and not scheduled[i].request.params.greedy]
-        spec: dict[int, list[int]] = {}
-        for i in rows:
-            if proposals[i] and proposals[i].tokens and not scheduled[i].request.params.greedy:
-                spec.setdefault(len(proposals[i].tokens), []).append(i)
-        pieces: list[torch.Tensor] = []      # long tensors on the device, all fetched at once
-        if greedy:
-            pieces.append(logits.argmax(-1))
-        if plain:
-            pieces.append(sample(logits[upload([slices[i].start for i in plain], torch.int64, device)],
-                                 [scheduled[i].request.params for i in plain],
-                                 [scheduled[i].request.generator for i in plain]))
-        for k, group in spec.items():
+        plain: dict[bool, list[int]] = {True: [], False: []}             # greedy? -> rows without drafts
+        spec: dict[tuple[int, bool], list[int]] = {}                      # (drafts, greedy?) -> rows
+        for i, item in enumerate(scheduled):
+            if slices[i] is None:
+                continue
+            greedy = item.request.params.greedy
+            if proposals[i] is not None and proposals[i].num_drafts:
+                spec.setdefault((proposals[i].num_drafts, greedy), []).append(i)
+            else:
+                plain[greedy].append(i)
+        best = logits.argmax(-1) if plain[True] or any(greedy for _, greedy in spec) else None
+        pieces: list[torch.Tensor] = []      # int64 tensors on the device, all fetched at once
+        if plain[True]:
+            pieces.append(best[upload([slices[i].start for i in plain[True]], torch.int64, device)])
+        if plain[False]:
+            pieces.append(sample(logits[upload([slices[i].start for i in plain[False]], torch.int64, device)],
+                                 [scheduled[i].request.params for i in plain[False]],
+                                 [scheduled[i].request.generator for i in plain[False]]))
+        for (k, greedy), group in spec.items():
             index = upload([j for i in group for j in range(slices[i].start, slices[i].stop)], torch.int64, device)
-            params = [scheduled[i].request.params for i in group for _ in range(k + 1)]
-            p = probabilities(logits[index], params).view(len(group), k + 1, -1)
-            q = torch.stack([proposals[i].probs for i in group])
-            drafts = upload([proposals[i].tokens for i in group], torch.int64, device)
-            tokens, num_accepted = rejection_sample(drafts, q, p, [scheduled[i].request.generator for i in group])
+            drafts = torch.stack([proposals[i].tokens for i in group])
+            if greedy:
+                tokens, num_accepted = accept_greedy(drafts, best[index].view(len(group), k + 1))
+            else:
+                params = [scheduled[i].request.params for i in group for _ in range(k + 1)]
+                p = probabilities(logits[index], params).view(len(group), k + 1, -1)
+                q = torch.stack([proposals[i].probs for i in group])
+                tokens, num_accepted = rejection_sample(drafts, q, p, [scheduled[i].request.generator for i in group])
             pieces += [tokens.flatten(), num_accepted]
         host = torch.cat(pieces).tolist() if pieces else []
         out: list[list[int]] = [[] for _ in scheduled]
         at = 0
-        if greedy:
-            best, at = host[:logits.shape[0]], logits.shape[0]
-            for i in greedy:
-                drafts = proposals[i].tokens if proposals[i] is not None else []
-                out[i] = accept_greedy(drafts, best[slices[i]])
-        for n, i in enumerate(plain):
-            out[i] = [host[at + n]]
-        at += len(plain)
-        for k, group in spec.items():
+        for greedy in (True, False):
+            for n, i in enumerate(plain[greedy]):
+                out[i] = [host[at + n]]
+            at += len(plain[greedy])
+        for (k, _), group in spec.items():
             tokens, num_accepted = host[at:at + len(group) * (k + 1)], host[at + len(group) * (k + 1):]
             for n, i in enumerate(group):
                 out[i] = tokens[n * (k + 1):n * (k + 1) + num_accepted[n] + 1]
@@ -362,27 +371,33 @@ class LLMEngine:
         proposals = iter(spec.propose([s for s in scheduled if s.num_spec_tokens]) if spec else ())
         clock("draft")
         rows, token_ids, logit_rows, row_proposals, slices = [], [], [], [], []
+        draft_at: list[int] = []        # where the drafts go in the flat ids (they stay on the device)
         for item in scheduled:
             r = item.request
             history = r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + item.num_new_tokens]
             proposal = next(proposals) if item.num_spec_tokens else None
-            tokens = history + (proposal.tokens if proposal else [])
-            rows.append(Row(r.request_id, r.num_computed_tokens, len(tokens)))
+            num_drafts = proposal.num_drafts if proposal else 0
+            rows.append(Row(r.request_id, r.num_computed_tokens, len(history) + num_drafts))
             if item.completes_history:
                 # Logits of the last history token and of every draft: len(drafts) + 1 verification targets.
                 last = len(token_ids) + len(history) - 1
-                slices.append(slice(len(logit_rows), len(logit_rows) + len(tokens) - len(history) + 1))
-                logit_rows.extend(range(last, len(token_ids) + len(tokens)))
+                slices.append(slice(len(logit_rows), len(logit_rows) + num_drafts + 1))
+                logit_rows.extend(range(last, last + num_drafts + 1))
             else:
                 slices.append(None)
-            token_ids.extend(tokens)
+            draft_at.extend(range(len(token_ids) + len(history), len(token_ids) + len(history) + num_drafts))
+            token_ids.extend(history + [0] * num_drafts)
             row_proposals.append(proposal)
-        raw_logits, captured = self.runner.run(rows, token_ids, logit_rows, spec.capture_layers if spec else ())
+        ids = upload(token_ids, torch.int64, self.model.device)
+        if draft_at:
+            ids.index_copy_(0, upload(draft_at, torch.int64, ids.device),
+                            torch.cat([p.tokens for p in row_proposals if p is not None]))
+        raw_logits, captured = self.runner.run(rows, ids, logit_rows, spec.capture_layers if spec else ())
         clock("target")
         # Penalties, bias and the min_tokens mask shape the distribution that sampling and verification use;
         # verify row k counts the k drafts before it, so speculation keeps the penalised target's output.
         blocks = [LogitsBlock(item.request.logits_state, slices[i].start, slices[i].stop - slices[i].start,
-                              len(item.request.output_token_ids), row_proposals[i].tokens if row_proposals[i] else ())
+                              len(item.request.output_token_ids), row_proposals[i].tokens if row_proposals[i] else None)
                   for i, item in enumerate(scheduled) if slices[i] is not None and item.request.logits_state]
         logits = adjust_logits(raw_logits, blocks) if blocks else raw_logits
 
@@ -390,8 +405,8 @@ class LLMEngine:
         for i, proposal in enumerate(row_proposals):
             if proposal is not None:
                 accepted = len(new_tokens[i]) - 1
-                scheduled[i].request.spec.record(len(proposal.tokens), accepted)
-                self.spec_stats.record(len(proposal.tokens), accepted)
+                scheduled[i].request.spec.record(proposal.num_drafts, accepted)
+                self.spec_stats.record(proposal.num_drafts, accepted)
         logprobs = self._logprobs(raw_logits, scheduled, slices, new_tokens)
 
         outputs, context_items, flat = [], [], 0

@@ -104,13 +104,13 @@ class ModelRunner:
         self.layer_kv = layer_kv_of(kv, LayerOwner.TARGET, model.config.num_hidden_layers)
 
     @torch.inference_mode()
-    def run(self, rows: Sequence[Row], token_ids: Sequence[int], logit_rows: Sequence[int],
+    def run(self, rows: Sequence[Row], ids: torch.Tensor, logit_rows: Sequence[int],
             capture_layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Target forward over ``rows`` (flattened ``token_ids``); returns float32 logits at the flat
-        indices ``logit_rows`` and the captured hidden states of every token (or None)."""
+        """Target forward over ``rows`` (their flattened token ``ids`` on the device); returns float32 logits at the
+        flat indices ``logit_rows`` and the captured hidden states of every token (or None)."""
         positions, meta = build_metadata(self.kv, self.target_space, rows, causal=True, backend=self.backend,
                                          device=self.device)
-        ids, index = upload(token_ids, torch.int64, self.device), upload(logit_rows, torch.int64, self.device)
+        index = upload(logit_rows, torch.int64, self.device)
         if self.tp is not None:
             ints, tensors = pack_inputs(ids, positions, meta)
             self.tp.publish(OP_TARGET, ints + list(capture_layers), tensors + [index])

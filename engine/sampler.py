@@ -61,23 +61,29 @@ class LogitsBlock:
     start: int
     num_rows: int
     num_output: int
-    drafts: Sequence[int] = ()
+    drafts: torch.Tensor | None = None       # [K] int64 on the device
 
 
 def adjust_logits(logits: torch.Tensor, blocks: Sequence[LogitsBlock]) -> torch.Tensor:
     """``logits`` [N, V] with the blocks' rows adjusted, out of place, in vLLM's order: bias, the min_tokens mask,
     then the repetition, frequency and presence penalties, with counts per row (drafts before it included)."""
     device = logits.device
-    rows, owner, first, before, prev = [], [], [], [], []
+    rows, owner, first, before = [], [], [], []
+    draft_at, drafts = [], []      # the drafts stay on the device: where they go in ``prev``, and the tensors
     for b, block in enumerate(blocks):
-        drafts = list(block.drafts[:block.num_rows - 1])
         first.extend([len(rows)] * block.num_rows)
+        # The token counted from row k + 1 on (row 0 adds none: it follows the output alone): draft k.
+        if block.drafts is not None and block.num_rows > 1:
+            counted = block.drafts[:block.num_rows - 1]
+            draft_at.extend(range(len(rows) + 1, len(rows) + 1 + counted.shape[0]))
+            drafts.append(counted)
         rows.extend(range(block.start, block.start + block.num_rows))
         owner.extend([b] * block.num_rows)
         before.extend(range(block.num_output, block.num_output + block.num_rows))
-        # The token counted from row k + 1 on (row 0 adds none: it follows the output alone).
-        prev.extend([-1] + drafts + [-1] * (block.num_rows - 1 - len(drafts)))
-    rows_t, owner_t, first_t, before_t, prev_t = upload([rows, owner, first, before, prev], torch.int64, device)
+    rows_t, owner_t, first_t, before_t, prev_t = upload([rows, owner, first, before, [-1] * len(rows)], torch.int64,
+                                                        device)
+    if drafts:
+        prev_t.index_copy_(0, upload(draft_at, torch.int64, device), torch.cat(drafts))
     x = logits.index_select(0, rows_t)                                    # [R, V]
     states = [block.state for block in blocks]
 
@@ -211,13 +217,12 @@ def rejection_sample(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
     return tokens, num_accepted
 
 
-def accept_greedy(drafts: Sequence[int], target_ids: Sequence[int]) -> list[int]:
-    """Greedy verification: the drafts that match the target's argmax, then the target's next token (the bonus).
-
-    ``target_ids[k]`` is the target's argmax after the anchor and the first k drafts (``len(drafts) + 1`` of them),
-    so draft k is accepted while ``drafts[k] == target_ids[k]``.
-    """
-    accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == target_ids[accepted]:
-        accepted += 1
-    return list(drafts[:accepted]) + [target_ids[accepted]]
+def accept_greedy(drafts: torch.Tensor, target_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification of R rows of K drafts on the device: the drafts that match the target's argmax, then the
+    target's next token (the bonus). ``target_ids[r, k]`` is the argmax after the anchor and the first k drafts
+    (K + 1 of them), so draft k is accepted while every ``drafts[r, j] == target_ids[r, j]`` for j <= k. Returns
+    ``(tokens [R, K+1], num_accepted [R])`` as ``rejection_sample`` does."""
+    num_accepted = (drafts == target_ids[:, :-1]).long().cumprod(1).sum(1)
+    bonus = target_ids.gather(1, num_accepted[:, None])
+    tokens = torch.cat([drafts, drafts.new_zeros(drafts.shape[0], 1)], 1).scatter(1, num_accepted[:, None], bonus)
+    return tokens, num_accepted

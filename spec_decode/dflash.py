@@ -84,8 +84,8 @@ class DFlashSpeculator:
                       for j, r in enumerate(rows[i].request for i in group) if r.logits_state is not None]
             if blocks:
                 logits = adjust_logits(logits.flatten(0, 1), blocks).view_as(logits)
-            # Greedy rows take the argmax, sampled rows draw from their distributions, all on the device; the drafts
-            # come to the host in one transfer per draft count.
+            # Greedy rows take the argmax, sampled rows draw from their distributions; the drafts stay on the device
+            # (the step puts them into the verification forward and verifies them there).
             drafts = logits.argmax(-1)
             requests = [rows[i].request for i in group]
             sampled = [j for j, r in enumerate(requests) if not r.params.greedy]
@@ -95,10 +95,9 @@ class DFlashSpeculator:
                 q = probabilities(logits[index].flatten(0, 1), [requests[j].params for j in sampled
                                                                   for _ in range(count)]).view(len(sampled), count, -1)
                 drafts = drafts.index_copy(0, index, draw(q, [requests[j].generator for j in sampled]))
-            host = drafts.tolist()
             where = {j: n for n, j in enumerate(sampled)}
             for j, i in enumerate(group):
-                proposals[i] = Proposal(host[j], q[where[j]] if j in where else None)
+                proposals[i] = Proposal(drafts[j], q[where[j]] if j in where else None)
         return [proposals[i] for i in range(len(rows))]
 
     @torch.inference_mode()

@@ -51,7 +51,7 @@ def test_logits_match_transformers_prefill_and_decode(fixture, request):
         rows.append(Row(f"r{i}", 0, len(s)))
         ids.extend(s)
     # Prefill: every position of the ragged batch, in one forward.
-    logits, _ = runner.run(rows, ids, list(range(len(ids))))
+    logits, _ = runner.run(rows, torch.tensor(ids), list(range(len(ids))))
     flat = 0
     for s in seqs:
         ref = hf(torch.tensor([s])).logits[0]
@@ -61,7 +61,7 @@ def test_logits_match_transformers_prefill_and_decode(fixture, request):
     for _ in range(5):
         rows = [Row(f"r{i}", len(s), 1) for i, s in enumerate(seqs)]
         nxt = [(7 * len(s) + i) % 128 for i, s in enumerate(seqs)]
-        logits, _ = runner.run(rows, nxt, list(range(len(seqs))))
+        logits, _ = runner.run(rows, torch.tensor(nxt), list(range(len(seqs))))
         for i, s in enumerate(seqs):
             s.append(nxt[i])
             ref = hf(torch.tensor([s])).logits[0, -1]
@@ -106,8 +106,8 @@ def test_fp8_kv_cache_close_to_bf16(tiny_target):
     ids = list(range(3, 60))
     for kv in (kv_bf16, kv_fp8):
         kv.allocate_slots("a", len(ids))
-    a, _ = runner_bf16.run([Row("a", 0, len(ids))], ids, list(range(len(ids))))
-    b, _ = runner_fp8.run([Row("a", 0, len(ids))], ids, list(range(len(ids))))
+    a, _ = runner_bf16.run([Row("a", 0, len(ids))], torch.tensor(ids), list(range(len(ids))))
+    b, _ = runner_fp8.run([Row("a", 0, len(ids))], torch.tensor(ids), list(range(len(ids))))
     # e4m3 keeps 3 mantissa bits (relative rounding error <= 6.25% per element); after attention
     # averaging and two layers the logits stay within 10% relative error of the BF16 cache.
     err = rel_err(b, a)

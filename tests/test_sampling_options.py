@@ -75,13 +75,13 @@ class Oracle:
         out = []
         for row, proposal in zip(rows, self.inner(rows)):
             done = len(row.request.output_token_ids)
-            tokens = list(self.truth[tuple(row.request.prompt_token_ids)][done:done + len(proposal.tokens)])
-            tokens += [0] * (len(proposal.tokens) - len(tokens))
+            tokens = list(self.truth[tuple(row.request.prompt_token_ids)][done:done + proposal.num_drafts])
+            tokens += [0] * (proposal.num_drafts - len(tokens))
             self.calls += 1
             if self.calls % 3 == 0:
                 k = self.calls % len(tokens)
                 tokens[k] = (tokens[k] + 1) % 100
-            out.append(Proposal(tokens))
+            out.append(Proposal(torch.tensor(tokens)))
         return out
 
 
@@ -169,7 +169,7 @@ def test_penalty_counts_inside_a_block_are_per_position():
     state = LogitsState(params, [0], vocab_size=6, eos_token_ids=(), device=torch.device("cpu"))
     state.add([3, 3])
     logits = torch.zeros(5, 6)
-    got = adjust_logits(logits, [LogitsBlock(state, 1, 3, num_output=2, drafts=[4, 3])])
+    got = adjust_logits(logits, [LogitsBlock(state, 1, 3, num_output=2, drafts=torch.tensor([4, 3]))])
     want = torch.zeros(5, 6)
     want[1:4, 2] = 1.0
     want[1:4, 3] = -2.5                 # two 3s in the output

@@ -48,13 +48,13 @@ class OracleDrafts:
             r = row.request
             truth = self.reference[tuple(r.prompt_token_ids)]
             done = len(r.output_token_ids)
-            tokens = list(truth[done:done + len(proposal.tokens)])
-            tokens += [0] * (len(proposal.tokens) - len(tokens))
+            tokens = list(truth[done:done + proposal.num_drafts])
+            tokens += [0] * (proposal.num_drafts - len(tokens))
             self.calls += 1
             if self.miss and self.calls % self.miss == 0:
                 k = self.calls % len(tokens)
                 tokens[k] = (tokens[k] + 1) % 128
-            out.append(Proposal(tokens))
+            out.append(Proposal(torch.tensor(tokens)))
         return out
 
 
@@ -433,7 +433,7 @@ def test_speculative_sampling_follows_target_distribution(case):
         after = int(torch.minimum(p0, q[0]).argmax())   # the most often accepted draft: most samples after it
         p1 = penalised_by_hand(target_logits[1], prompt, output + [after]).softmax(-1)
         stale_p1 = penalised_by_hand(target_logits[1], prompt, output).softmax(-1)
-        logits = adjust_logits(logits, [LogitsBlock(state, 3 * r, 3, len(output), drafts[r].tolist())
+        logits = adjust_logits(logits, [LogitsBlock(state, 3 * r, 3, len(output), drafts[r])
                                         for r in range(n)])
     else:
         p0, p1 = probabilities(target_logits[:2], params)
@@ -589,10 +589,14 @@ def test_drafts_never_run_past_the_context(tiny_target, drafter_dir):
 def test_accept_greedy_keeps_the_matching_drafts_and_adds_the_target_token():
     from engine.sampler import accept_greedy
 
-    assert accept_greedy([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]      # all accepted: the bonus after them
-    assert accept_greedy([5, 6, 7], [5, 9, 7, 8]) == [5, 9]            # first mismatch: the target's token there
-    assert accept_greedy([5, 6, 7], [1, 6, 7, 8]) == [1]
-    assert accept_greedy([], [4]) == [4]
+    drafts = torch.tensor([[5, 6, 7]] * 4)
+    target = torch.tensor([[5, 6, 7, 8],      # all accepted: the bonus after them
+                           [5, 9, 7, 8],      # first mismatch: the target's token there
+                           [1, 6, 7, 8],      # none
+                           [5, 6, 3, 3]])     # a match after a mismatch does not count
+    tokens, accepted = accept_greedy(drafts, target)
+    assert accepted.tolist() == [3, 1, 0, 2]
+    assert [row[:n + 1] for row, n in zip(tokens.tolist(), accepted.tolist())] == [[5, 6, 7, 8], [5, 9], [1], [5, 6, 3]]
 
 
 def test_greedy_and_sampled_requests_in_one_batch_each_keep_their_own_output(tiny_target, drafter_dir, reference):
@@ -612,3 +616,34 @@ def test_greedy_and_sampled_requests_in_one_batch_each_keep_their_own_output(tin
                 done[int(out.request_id)] = out.token_ids
     for i, p in enumerate(PROMPTS):
         assert done[i] == (alone[i] if i in alone else reference[tuple(p)]), i
+
+
+def test_a_step_brings_its_tokens_to_the_host_once(tiny_target, drafter_dir, monkeypatch):
+    """Drafts stay on the device, and every row's tokens (greedy and sampled, plain and speculative, penalised or
+    not) are decided there: a step reads device values on the host once (``tolist``), whatever its batch. On a
+    GPU each such read waits for the device; a per-request read would make the step wait once per request."""
+    engine = LLM(tiny_target, draft=drafter_dir, page_size=4).engine
+    kinds = [GREEDY, SamplingParams(max_tokens=24, temperature=0.8, top_k=20, seed=3, ignore_eos=True),
+             SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, ignore_eos=True),
+             SamplingParams(max_tokens=24, presence_penalty=0.5, logit_bias={3: 2.0}, ignore_eos=True)]
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(p, kinds[i % len(kinds)], request_id=str(i))
+    reads = []
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            if self.device == engine.model.device:
+                reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    per_step, drafted = [], 0
+    while engine.has_unfinished():
+        reads.clear()
+        engine.step()
+        per_step.append(list(reads))
+        drafted = engine.spec_stats.num_drafts
+    monkeypatch.undo()
+    assert drafted > 0
+    assert all(r == ["tolist"] for r in per_step), per_step
