@@ -34,8 +34,7 @@ class EngineLoop:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
         self._hooks: list[Callable[[LLMEngine], None]] = []
-        self._failure: BaseException | None = None     # set on the loop thread when the failure ran
-        self._failing: BaseException | None = None     # set by ``fail``
+        self._failure: BaseException | None = None     # set by ``fail``
         self._closing = threading.Lock()       # orders ``submit`` against the loop's final drain
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -45,7 +44,7 @@ class EngineLoop:
         """Run ``fn(engine)`` on the loop thread between steps."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._closing:
-            if self._stop.is_set():
+            if self._stop.is_set() or self._failure is not None:
                 future.set_exception(self._failure or EngineStopped("the engine loop has stopped"))
             else:
                 self._commands.put((fn, future))
@@ -97,23 +96,25 @@ class EngineLoop:
 
     @property
     def failed(self) -> bool:
-        """``fail`` was called (the failure may still be on its way through the command queue)."""
-        return self._failing is not None
+        return self._failure is not None
 
     def fail(self, error: EngineStopped) -> None:
-        """Stop serving for good: every request in the engine ends with ``error`` now (its stream gets it, its
-        pages are freed), and every later command fails with it. For a replica that lost a rank: what it would
-        still compute is lost, and its CPU and GPU are better left to the replica replacing it."""
+        """Stop serving for good: every open stream ends with ``error`` now, every later command fails with it,
+        and the loop thread frees the requests' pages and stops after the command it is running. For a replica
+        that lost a rank: the streams end even while the loop is stuck in a collective with the dead rank, and
+        what it would still compute is left to the replica that replaces it (its CPU and GPU with it)."""
         def fail_all(engine: LLMEngine) -> None:
-            self._failure = error
             for request_id in list(engine.requests):
                 engine.abort(request_id)
             self.deliver([(r, error) for r in list(self._streams)])
             self._stop.set()
 
-        if self._failing is None:
-            self._failing = error
-            self.submit(fail_all)
+        with self._closing:
+            if self._failure is not None or self._stop.is_set():
+                return
+            self._failure = error
+            self._commands.put((fail_all, concurrent.futures.Future()))
+        self.deliver([(r, error) for r in list(self._streams)])
 
     def shutdown(self) -> None:
         with self._closing:

@@ -144,3 +144,39 @@ def test_a_failed_loop_ends_every_request_frees_their_pages_and_refuses_later_co
     assert not loop.alive and not loop._thread.is_alive()
     assert not engine.requests and engine.kv.pages_in_use() == 0
     loop.shutdown()        # a failed loop shuts down without blocking
+
+
+def test_a_failure_ends_the_streams_even_while_the_loop_is_stuck(tiny_target, tmp_path):
+    """A rank that dies mid-collective leaves the loop thread blocked in it (NCCL waits for its timeout): the
+    streams must end at ``fail`` all the same, and the pages go back once the loop thread moves again. The stuck
+    collective is faked by a command that waits on an event: a dead rank cannot be made to hang here on demand."""
+    import threading
+
+    drafter = checkpoints.write_tiny_drafter(tmp_path)
+    engine = build_engine(EngineConfig(model=str(tiny_target), draft=str(drafter), num_pages=64))
+    loop = EngineLoop(engine)
+    error = EngineStopped("lost a rank")
+    stuck, release = threading.Event(), threading.Event()
+
+    async def scenario():
+        stream = loop.open_stream("a")
+        await loop.call(lambda e: e.add_request(PROMPTS[0], SamplingParams(max_tokens=300, ignore_eos=True),
+                                                request_id="a"))
+        assert not isinstance(await asyncio.wait_for(stream.get(), 30), BaseException)
+        loop.submit(lambda e: (stuck.set(), release.wait(30)))
+        assert await asyncio.to_thread(stuck.wait, 10)
+        loop.fail(error)
+        item = await asyncio.wait_for(stream.get(), 1)
+        while not isinstance(item, BaseException):
+            item = await asyncio.wait_for(stream.get(), 1)
+        assert item is error
+        started = time.monotonic()
+        with pytest.raises(EngineStopped):          # refused at once, not queued behind the stuck command
+            await asyncio.wait_for(loop.call(lambda e: None), 1)
+        assert time.monotonic() - started < 0.5
+        assert "a" in engine.requests             # the stuck thread has not freed anything yet
+
+    asyncio.run(scenario())
+    release.set()
+    loop._thread.join(10)
+    assert not loop._thread.is_alive() and not engine.requests and engine.kv.pages_in_use() == 0
