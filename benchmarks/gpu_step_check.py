@@ -1,0 +1,124 @@
+"""The engine's device-side step on a GPU, checked in one run (issue 12): lossless speculation and host syncs
+per step, on the demo pair.
+
+    python benchmarks/gpu_step_check.py --device cuda          # on the GPU machine (torch only: no Ray, no NIXL)
+    python benchmarks/gpu_step_check.py --device cpu           # the same checks here (syncs are not counted)
+
+1. Greedy, float32: the DFlash engine's tokens equal target-only decoding on held-out prompts (plain, and
+   with penalties and a logit bias, whose verification counts the drafts on the device).
+2. Host syncs per step: a batch mixing greedy, seeded sampled, unseeded top-p and penalised requests, every step
+   run under ``torch.cuda.set_sync_debug_mode("warn")``. The engine reads the device once per step (its tokens);
+   each further warning is a sync to remove (a pageable host-to-device copy, an ``.item()``, a data-dependent
+   shape). Prints the count per step and where the extra ones were raised.
+3. Seeded sampling repeats: the same seeded batch twice gives the same tokens.
+
+Prints a table; exits 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from engine import SamplingParams  # noqa: E402
+from engine.llm import LLM as TargetLLM  # noqa: E402
+from spec_decode import LLM  # noqa: E402
+
+DEMO = REPO / "models" / "demo"
+
+
+def heldout(n: int) -> list[str]:
+    lines = (REPO / "benchmarks" / "prompts" / "heldout.jsonl").read_text().splitlines()
+    return [json.loads(line)["prompt"] for line in lines[:n]]
+
+
+def lossless(device: str, prompts: list[str], max_tokens: int) -> list[tuple[str, bool, str]]:
+    rows = []
+    target = TargetLLM(str(DEMO / "target"), device=device, dtype="float32")
+    spec = LLM(str(DEMO / "target"), draft=str(DEMO / "drafter"), device=device, dtype="float32")
+    for name, params in (("greedy", SamplingParams(max_tokens=max_tokens, ignore_eos=True)),
+                         ("greedy, penalised", SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                              presence_penalty=0.4, logit_bias={13: 1.5}))):
+        want = [o.token_ids for o in target.generate(prompts, params)]
+        outs = spec.generate(prompts, params)
+        got = [o.token_ids for o in outs]
+        steps = [al for o in outs for al in o.acceptance_lengths]
+        rows.append((f"lossless {name}", got == want, f"mean AL {sum(steps) / max(len(steps), 1):.3f}"))
+    return rows
+
+
+def syncs_per_step(device: str, prompts: list[str], max_tokens: int) -> list[tuple[str, bool, str]]:
+    llm = LLM(str(DEMO / "target"), draft=str(DEMO / "drafter"), device=device, dtype="float32")
+    engine = llm.engine
+    kinds = [SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+             SamplingParams(max_tokens=max_tokens, temperature=0.8, top_k=20, seed=3, ignore_eos=True),
+             SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=0.9, ignore_eos=True),
+             SamplingParams(max_tokens=max_tokens, presence_penalty=0.5, logit_bias={3: 2.0}, ignore_eos=True)]
+    ids = [llm.tokenizer.encode(p) for p in prompts]
+    for i, prompt in enumerate(ids):
+        engine.add_request(prompt, kinds[i % len(kinds)], request_id=str(i))
+    if device != "cuda":
+        while engine.has_unfinished():
+            engine.step()
+        return [("syncs per step", True, "not counted off CUDA")]
+    counts, where = [], collections.Counter()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        while engine.has_unfinished():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                engine.step()
+            syncs = [w for w in caught if "synchroniz" in str(w.message)]
+            counts.append(len(syncs))
+            for w in syncs:
+                where[f"{Path(w.filename).name}:{w.lineno}"] += 1
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    decode_steps = counts[1:]        # the first step prefills (its chunking may differ); every later one decodes
+    ok = bool(decode_steps) and max(decode_steps) <= 1
+    detail = f"{len(counts)} steps, syncs per step min/max {min(counts)}/{max(counts)}; raised at {dict(where)}"
+    return [("syncs per step <= 1", ok, detail)]
+
+
+def seeded_repeat(device: str, prompts: list[str], max_tokens: int) -> list[tuple[str, bool, str]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=11, ignore_eos=True)
+    runs = [[o.token_ids for o in LLM(str(DEMO / "target"), draft=str(DEMO / "drafter"), device=device,
+                                        dtype="float32").generate(prompts, params)] for _ in range(2)]
+    return [("seeded sampling repeats", runs[0] == runs[1], "")]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=48)
+    args = p.parse_args()
+    prompts = heldout(args.prompts)
+    rows = []
+    for check in (lossless, syncs_per_step, seeded_repeat):
+        try:
+            rows += check(args.device, prompts, args.max_tokens)
+        except Exception:
+            rows.append((check.__name__, False, traceback.format_exc(limit=3).replace("\n", " | ")))
+    print(f"device {args.device} ({torch.cuda.get_device_name() if args.device == 'cuda' else 'host'}), "
+          f"torch {torch.__version__}")
+    print(f"| {'check':<26} | ok | detail")
+    print(f"|{'-' * 28}|----|-------")
+    for name, ok, detail in rows:
+        print(f"| {name:<26} | {'yes' if ok else 'NO':<3}| {detail}")
+    return 0 if all(ok for _, ok, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
