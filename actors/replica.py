@@ -24,7 +24,7 @@ from typing import Any
 
 from actors.engine_loop import EngineStopped, ReservationQueue
 from actors.nixl_transfer import TransferError
-from actors.worker import KV_MANAGER_NAMESPACE, RankGroup
+from actors.worker import KV_MANAGER_NAMESPACE, RankGroup, RankProblem
 from engine.llm import EngineConfig
 from engine.llm_engine import RequestOutput
 from engine.sequence import SamplingParams, SpecStats, TokenLogprob
@@ -153,15 +153,17 @@ class EngineReplica:
         problems = await asyncio.to_thread(self.group.health_problems)
         if problems:
             self.lost_rank(problems)
-            raise RuntimeError(f"{self.replica_id} cannot serve: {'; '.join(problems)}")
+            raise RuntimeError(f"{self.replica_id} cannot serve: {'; '.join(map(str, problems))}")
 
-    def lost_rank(self, problems: list[str]) -> None:
-        """A rank cannot serve (``health_problems``): stop serving at once. The requests in flight end with a
-        retryable error, new ones are refused, and nothing more is computed (a dead KV manager's pool may be
-        gone with it), so the replica's devices are free for the one replacing it."""
-        if self.loop.failed:
+    def lost_rank(self, problems: Sequence[RankProblem]) -> None:
+        """When a rank is gone for good (a ``fatal`` problem; a rank slow to answer only fails this health check):
+        stop serving at once. The requests in flight end with a retryable error, new ones are refused, and
+        nothing more is computed (a dead KV manager's pool may be gone with it), so the replica's devices are
+        free for the one replacing it."""
+        fatal = [p for p in problems if p.fatal]
+        if not fatal or self.loop.failed:
             return
-        log.error("%s lost a rank, failing its requests: %s", self.replica_id, "; ".join(problems))
+        log.error("%s lost a rank, failing its requests: %s", self.replica_id, "; ".join(map(str, fatal)))
         self.loop.fail(EngineStopped(f"the {self.role} replica serving this request lost a process; retry it"))
 
     async def rank_infos(self) -> list[str]:

@@ -8,6 +8,8 @@ their own, each forward rank 0 broadcasts over the group's process group (``engi
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import socket
 import threading
@@ -122,6 +124,19 @@ class RankWorker:
             self.loop.shutdown()
 
 
+@dataclasses.dataclass(frozen=True)
+class RankProblem:
+    """Why rank ``rank`` cannot serve now; ``fatal``: it never will again (its process died, its loop stopped),
+    not merely slow to answer."""
+
+    rank: int
+    what: str
+    fatal: bool
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: {self.what}"
+
+
 class RankGroup:
     """One replica's ranks: per rank a KV manager actor (when pages move between replicas) and a worker.
 
@@ -178,26 +193,29 @@ class RankGroup:
     def worker(self) -> RankWorker:
         return self.workers[0]
 
-    def health_problems(self, timeout_s: float = HEALTH_PING_TIMEOUT_S) -> list[str]:
-        """Why a rank cannot serve (empty when every rank can): its engine thread stopped, or its KV manager
-        does not answer. Blocks up to ``timeout_s``."""
+    def health_problems(self, timeout_s: float = HEALTH_PING_TIMEOUT_S) -> list[RankProblem]:
+        """Why a rank cannot serve (empty when every rank can): its engine thread stopped, or its KV manager or
+        worker is dead or does not answer within ``timeout_s`` (a busy one may answer later: not ``fatal``)."""
         import ray
 
-        problems = [f"rank {r}: the engine loop has stopped" for r, w in enumerate(self.workers) if not w.loop.alive]
+        problems = [RankProblem(r, "the engine loop has stopped", True)
+                    for r, w in enumerate(self.workers) if not w.loop.alive]
         pings = [kvm.ping.remote() for kvm in self.kv_managers]
         followers = [rank.problem.remote() for rank in self.remote_ranks]
         for rank, ping in enumerate(pings):
             try:
                 ray.get(ping, timeout=timeout_s)
             except Exception as e:
-                problems.append(f"rank {rank}: its KV manager does not answer ({type(e).__name__})")
+                problems.append(RankProblem(rank, f"its KV manager does not answer ({type(e).__name__})",
+                                            isinstance(e, ray.exceptions.ActorDiedError)))
         for rank, ref in enumerate(followers, start=1):
             try:
                 problem = ray.get(ref, timeout=timeout_s)
+                if problem:
+                    problems.append(RankProblem(rank, problem, True))
             except Exception as e:
-                problem = f"its worker does not answer ({type(e).__name__})"
-            if problem:
-                problems.append(f"rank {rank}: {problem}")
+                problems.append(RankProblem(rank, f"its worker does not answer ({type(e).__name__})",
+                                            isinstance(e, ray.exceptions.ActorDiedError)))
         return problems
 
     def pages_in_use_per_rank(self) -> list[int]:

@@ -66,6 +66,21 @@ def test_tp2_greedy_output_and_acceptance_equal_tp1(demo_pair, demo_ids):
     assert demo_pair[2].group.health_problems() == []
 
 
+def test_a_rank_slow_to_answer_fails_a_health_check_but_does_not_stop_the_replica(demo_pair, demo_ids):
+    """Only a rank that is gone stops a replica (``lost_rank``); one busy past the ping timeout fails that health
+    check (Serve replaces a replica only after several in a row) and serves on."""
+    replica = demo_pair[2]
+    busy = replica.group.remote_ranks[0].__ray_call__.remote(lambda self: time.sleep(3))
+    problems = replica.group.health_problems(timeout_s=0.5)
+    assert [(p.rank, p.fatal) for p in problems] == [(1, False)], problems
+    replica.lost_rank(problems)
+    assert not replica.loop.failed and replica.loop.alive
+    ray.get(busy)
+    assert replica.group.health_problems() == []
+    assert tokens_and_acceptance(generate(replica, demo_ids[:1])) == \
+        tokens_and_acceptance(generate(demo_pair[1], demo_ids[:1]))
+
+
 def test_each_rank_holds_its_shard_and_its_kv_heads(demo_pair):
     one, two = demo_pair[1].engine, demo_pair[2].engine
     c = one.model.config
