@@ -159,7 +159,9 @@ class RankGroup:
             gpu = torch.device(config.device).type == "cuda"
             for tp_rank in range(tp_size):
                 self.kv_managers.append(ray.remote(KVManagerActor).options(
-                    name=self.agent_name(tp_rank), namespace=KV_MANAGER_NAMESPACE, num_cpus=0, num_gpus=KV_MANAGER_GPU_SHARE if gpu else 0, scheduling_strategy=_beside_me(tp_rank), max_restarts=0,
+                    name=self.agent_name(tp_rank), namespace=KV_MANAGER_NAMESPACE, num_cpus=0,
+                    num_gpus=KV_MANAGER_GPU_SHARE if gpu else 0, scheduling_strategy=_beside_me(tp_rank),
+                    max_restarts=0,
                 ).remote(self.agent_name(tp_rank), device=config.device, tp_size=tp_size, tp_rank=tp_rank,
                          hold_timeout_s=hold_timeout_s, num_threads=num_threads, read_delay_s=read_delay_s))
         address = None
@@ -168,7 +170,9 @@ class RankGroup:
             gpu = torch.device(config.device).type == "cuda"
             for tp_rank in range(1, tp_size):
                 self.remote_ranks.append(ray.remote(RankWorker).options(
-                    name=f"{self.agent_name(tp_rank)}-worker", namespace=KV_MANAGER_NAMESPACE, num_cpus=0, num_gpus=1 - KV_MANAGER_GPU_SHARE if gpu else 0, scheduling_strategy=_beside_me(tp_rank), max_restarts=0,
+                    name=f"{self.agent_name(tp_rank)}-worker", namespace=KV_MANAGER_NAMESPACE, num_cpus=0,
+                    num_gpus=1 - KV_MANAGER_GPU_SHARE if gpu else 0, scheduling_strategy=_beside_me(tp_rank),
+                    max_restarts=0,
                 ).remote(config, self.kv_managers[tp_rank] if transfers else None, num_threads=num_threads,
                          tp_size=tp_size, tp_rank=tp_rank, tp_address=address))
         try:
