@@ -24,7 +24,8 @@ TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-STALE_REPORTS = 3      # a replica that missed this many reports in a row is gone (scaled down or dead)
+STALE_REPORTS = 3      # a replica that missed this many reports in a row is gone (scaled down or dead) ...
+STALE_GRACE_S = 2.0    # ... plus this long: a loaded host delays a report thread by a second or more
 
 
 class MetricsHub:
@@ -32,20 +33,23 @@ class MetricsHub:
 
     An engine replica's snapshot: ``role``, ``healthy``, batch sizes and pages per pool. An ingress's:
     ``role: "ingress"`` and its request metrics in Prometheus text. Each carries ``interval_s``, its report
-    period: one that missed ``STALE_REPORTS`` reports is gone (scaled down or dead)."""
+    period: one that missed ``STALE_REPORTS`` reports (and ``STALE_GRACE_S`` more) is gone (scaled down or dead).
+    A replica that lost a rank says so itself at once (``healthy: False``)."""
 
-    def __init__(self):
+    def __init__(self, clock=time.monotonic):
+        self._clock = clock
         self._snapshots: dict[str, tuple[float, dict]] = {}
 
     def report(self, reporter: str, snapshot: dict) -> None:
-        self._snapshots[reporter] = (time.monotonic(), snapshot)
+        self._snapshots[reporter] = (self._clock(), snapshot)
 
     def forget(self, reporter: str) -> None:
         self._snapshots.pop(reporter, None)
 
     def snapshots(self) -> dict[str, dict]:
-        now = time.monotonic()
-        stale = [r for r, (t, snap) in self._snapshots.items() if now - t > STALE_REPORTS * snap["interval_s"] + 0.5]
+        now = self._clock()
+        stale = [r for r, (t, snap) in self._snapshots.items()
+                 if now - t > STALE_REPORTS * snap["interval_s"] + STALE_GRACE_S]
         for reporter in stale:
             del self._snapshots[reporter]
         return {reporter: snap for reporter, (_, snap) in self._snapshots.items()}

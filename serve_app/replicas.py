@@ -35,11 +35,14 @@ class _Served:
                 # health check (a few periods) replaces it.
                 interval = self.service.metrics_report_interval_s
                 problems = self.group.health_problems(timeout_s=min(2.0, 4 * interval))
-                if problems:
+                if any(p.fatal for p in problems):
                     self.lost_rank(problems)
                     snap = {"role": self.role, "healthy": False, "interval_s": interval, "running": 0, "waiting": 0,
                             "pools": []}
                 else:
+                    # A rank slow to answer (a loaded host) is no reason to turn /health red: it serves on.
+                    if problems:
+                        log.warning("%s: a rank is slow to answer: %s", self.replica_id, "; ".join(map(str, problems)))
                     snap = self.loop.submit(lambda e: engine_snapshot(e, self.role, interval, awaiting)
                                             ).result(timeout=10)
                 self._hub.report.remote(self.replica_id, snap)
