@@ -5,10 +5,10 @@ READ needs no progress from the side it reads: the prefill rank stays idle while
 The reader drives progress by polling its transfer, backing off, from its own event loop.
 
 Between replicas of different TP sizes a rank READs kv-head slices (``kv.rank_info.plan_reads``). A page keeps a
-layer's K (then V) token-major, ``[page_size, kv_heads, head_dim]``, so a slice of heads is not contiguous in a
-page: it is one fragment per token, layer and K/V, of (heads in the slice) x head_dim x element size bytes,
-built with numpy and coalesced where both sides are contiguous (whole rows: a replicated head, or equal heads).
-A head-major page layout would make it one fragment per page and layer; the attention kernels read this one.
+layer's K (then V) head-major, ``[kv_heads, page_size, head_dim]`` (``kv.pool``), so a slice of heads is one
+contiguous fragment per page, layer and K/V: (heads in the slice) x page_size x head_dim x element size bytes,
+built with numpy and coalesced where both sides are contiguous (K with V when the slice is every head on both
+sides, and a page with the next).
 """
 
 from __future__ import annotations
@@ -189,8 +189,7 @@ class LayerGeometry:
     num_pages: int
     offset: int                # bytes from a group page's start to this layer's K
     kv_bytes: int              # bytes of K (equal to V) of one page
-    token_bytes: int           # one token's row: kv heads x head dim x element size
-    head_bytes: int
+    head_bytes: int            # one kv head's run in a page's K (or V): page_size x head dim x element size
 
 
 def layer_geometry(info: RankInfo) -> dict[str, LayerGeometry]:
@@ -202,16 +201,17 @@ def layer_geometry(info: RankInfo) -> dict[str, LayerGeometry]:
         for slot, name in enumerate(g.layers):
             layer = layers[name]
             out[name] = LayerGeometry(g.space, g.base_address, g.device_id, g.page_stride, g.num_pages,
-                                      slot * per_layer, per_layer // 2, per_layer // 2 // info.page_size,
-                                      layer.head_dim * layer.element_size)
+                                      slot * per_layer, per_layer // 2,
+                                      info.page_size * layer.head_dim * layer.element_size)
     return out
 
 
 def slice_regions(slices: Sequence[HeadSlice], local: Mapping[str, LayerGeometry], remote: Mapping[str, LayerGeometry],
                   local_tables: Sequence[Sequence[int]], remote_tables: Sequence[Sequence[int]], peer_name: str
                   ) -> tuple[np.ndarray, np.ndarray]:
-    """``(address, length, device)`` rows, local and remote, of every token's head slice of every page pair:
-    ordered page, layer, K/V, token, so that rows adjacent in memory on both sides follow each other."""
+    """``(address, length, device)`` rows, local and remote, of every head slice of every page pair (pages are
+    head-major: a slice of a page's K or V is one run): ordered page, layer, K/V, so that rows adjacent in memory
+    on both sides follow each other."""
     out_local, out_remote = [], []
     for space, (ltable, rtable) in enumerate(zip(local_tables, remote_tables)):
         mine = [s for s in slices if local[s.layer].space == space]
@@ -224,20 +224,18 @@ def slice_regions(slices: Sequence[HeadSlice], local: Mapping[str, LayerGeometry
             if pages.min() < 0 or pages.max() >= first.num_pages:
                 raise TransferError(f"a page of {pages.tolist()} is outside space {space} "
                                     f"({first.num_pages} pages{'' if geometry is local else ' at ' + peer_name})")
-            tokens = np.arange(first.kv_bytes // first.token_bytes, dtype=np.int64)
             columns = []
             for s in mine:
                 g = geometry[s.layer]
-                # [K/V, token] offsets inside a page, then one row per page.
-                in_page = g.offset + np.arange(2)[:, None] * g.kv_bytes + tokens[None, :] * g.token_bytes \
-                    + head_of(s) * g.head_bytes
-                columns.append(g.base + pages[:, None, None] * g.page_stride + in_page[None])
-            per_side.append(np.stack(columns, axis=1).reshape(-1))      # [page, slice, K/V, token]
-        shape = (len(lp), len(mine), 2, len(per_side[0]) // (len(lp) * len(mine) * 2))
-        lengths = np.broadcast_to(np.array([s.num_heads * local[s.layer].head_bytes for s in mine])[None, :, None, None],
+                # K's and V's runs of the slice inside a page, then one row per page.
+                in_page = g.offset + np.arange(2) * g.kv_bytes + head_of(s) * g.head_bytes
+                columns.append(g.base + pages[:, None] * g.page_stride + in_page[None])
+            per_side.append(np.stack(columns, axis=1).reshape(-1))      # [page, slice, K/V]
+        shape = (len(lp), len(mine), 2)
+        lengths = np.broadcast_to(np.array([s.num_heads * local[s.layer].head_bytes for s in mine])[None, :, None],
                                   shape).reshape(-1)
         for side, geometry, addresses in ((out_local, local, per_side[0]), (out_remote, remote, per_side[1])):
-            devices = np.broadcast_to(np.array([geometry[s.layer].device for s in mine])[None, :, None, None],
+            devices = np.broadcast_to(np.array([geometry[s.layer].device for s in mine])[None, :, None],
                                       shape).reshape(-1)
             side.append(np.stack([addresses, lengths, devices], axis=1))
     if not out_local:

@@ -140,11 +140,13 @@ class Case:
         H, D = shapes.num_kv_heads, shapes.head_dim
         self.cache_dtype = cache_dtype
         self.kv_scale = 0.01 if cache_dtype == attention.FP8_DTYPE else 1.0  # amax of N(0,1) data ~ 5 -> 500
-        self.group = torch.empty((num_pages, layers, 2, page_size, H, D), dtype=cache_dtype, device=device)
+        # Head-major pages, as the engine's pools lay them out: [pages, layers, K/V, kv heads, page_size, D].
+        self.group = torch.empty((num_pages, layers, 2, H, page_size, D), dtype=cache_dtype, device=device)
         for layer in range(layers):
             for kv in range(2):
                 values = torch.randn((num_pages, page_size, H, D), generator=gen, device=device, dtype=torch.bfloat16)
-                self.group[:, layer, kv] = attention.quantize_for_cache(values, cache_dtype, self.kv_scale)
+                self.group[:, layer, kv].transpose(1, 2)[:] = attention.quantize_for_cache(values, cache_dtype,
+                                                                                          self.kv_scale)
         page_ids = torch.randperm(num_pages, generator=gen, device=device).to(torch.int32)
         block_tables = torch.full((len(self.seq_lens), max(pages_per_seq)), -1, dtype=torch.int32, device=device)
         used = 0
@@ -167,11 +169,11 @@ class Case:
             sum(min(s, s - q + i + 1) if causal else s for i in range(q)) for s, q in zip(self.seq_lens, q_lens))
 
     def caches(self, layer):
-        return self.group[:, layer, 0], self.group[:, layer, 1]
+        return self.group[:, layer, 0].transpose(1, 2), self.group[:, layer, 1].transpose(1, 2)
 
     def kv_bytes(self):
         """Bytes of K and V one layer's attention must read: every stored token of every sequence, once."""
-        per_token = 2 * self.group.shape[4] * self.group.shape[5] * self.group.element_size()
+        per_token = 2 * self.group.shape[3] * self.group.shape[5] * self.group.element_size()
         return sum(self.seq_lens) * per_token
 
     def run(self, fn, layer=0, **kw):
@@ -285,9 +287,10 @@ def check_store(attention, shapes, device, torch, rows):
                 groups = {}
                 # torch on the CPU as well: its rounding was checked against numpy's IEEE arithmetic there.
                 for backend, where in (("torch", device), ("triton", device), ("torch", "cpu")):
-                    group = torch.zeros((num_pages, 3, 2, page_size, shapes.num_kv_heads, shapes.head_dim),
-                                        dtype=cache_dtype, device=where)
-                    attention.store_kv(key.to(where), value.to(where), group[:, 1, 0], group[:, 1, 1],
+                    group = torch.zeros((num_pages, 3, 2, shapes.num_kv_heads, page_size, shapes.head_dim),
+                                        dtype=cache_dtype, device=where)      # head-major pages
+                    attention.store_kv(key.to(where), value.to(where), group[:, 1, 0].transpose(1, 2),
+                                       group[:, 1, 1].transpose(1, 2),
                                        slots.to(where), scale, scale, backend=backend)
                     groups[backend, where] = group.view(torch.uint8).cpu()
                 mismatched = (groups["torch", device] != groups["triton", device]).sum().item()

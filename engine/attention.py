@@ -1,9 +1,10 @@
 """Paged attention over the unified KV cache: the public API, a plain-torch reference path, and backend dispatch.
 
-Cache layout per layer: K and V views of shape [num_pages, page_size, num_kv_heads, head_dim]. The inner three dims
-are contiguous; the page dim has whatever stride the page-major group buffer gives it, so nothing here assumes
-``stride(0) == page_size * H * D`` and nothing ever copies a cache. FP8 layers (float8_e4m3fn) carry a per-layer
-scale: stored = clamp(x / scale, +-448) cast to fp8, loaded = stored * scale. Other dtypes ignore the scale.
+Cache layout per layer: K and V views of shape [num_pages, page_size, num_kv_heads, head_dim], the head dim
+contiguous. A page is head-major in memory (``kv.pool``: [kv_heads, page_size, head_dim]) or token-major
+([page_size, kv_heads, head_dim]); the page dim has whatever stride the page-major group buffer gives it. Nothing
+here assumes either layout or ``stride(0)``, and nothing ever copies a cache. FP8 layers (float8_e4m3fn) carry a
+per-layer scale: stored = clamp(x / scale, +-448) cast to fp8, loaded = stored * scale. Other dtypes ignore it.
 """
 
 from __future__ import annotations
@@ -195,9 +196,10 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         if cache.dim() != 4 or cache.dtype not in CACHE_DTYPES:
             raise ValueError(f"{name} must be [pages, page_size, kv_heads, head_dim] of {CACHE_DTYPES}, "
                              f"got {tuple(cache.shape)} {cache.dtype}")
-        _, _, heads, dim = cache.shape
-        if cache.stride()[1:] != (heads * dim, dim, 1):
-            raise ValueError(f"{name}'s inner dims must be contiguous, got strides {cache.stride()}")
+        _, page_size, heads, dim = cache.shape
+        if cache.stride()[1:] not in ((dim, page_size * dim, 1), (heads * dim, dim, 1)):
+            raise ValueError(f"{name}'s pages must be head-major or token-major with a contiguous head dim, got "
+                             f"strides {cache.stride()} for shape {tuple(cache.shape)}")
 
 
 def _triton():

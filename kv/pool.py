@@ -1,10 +1,15 @@
 """KV pools: one contiguous buffer per group of layers with equal page byte size, sliced into per-layer views.
 
-A group buffer is page-major, ``[num_pages, layers_in_group, 2 (K, V), page_size * kv_heads * head_dim]``
+A group buffer is page-major, ``[num_pages, layers_in_group, 2 (K, V), kv_heads * page_size * head_dim]``
 in bytes, so one page of a group is one contiguous region: a transfer moves a page with one
 descriptor per group. Inside a page, target layers come before draft layers, so "target layers only"
 is a contiguous prefix of every page too. Layers of different dtypes may share a group when their
 page byte sizes match; each layer's view keeps its own dtype.
+
+Inside a layer's K (and V) of a page the layout is head-major, ``[kv_heads, page_size, head_dim]``
+(``PAGE_LAYOUT``): the page's tokens of one kv head are one contiguous run, so a peer of another TP size
+READs a slice of heads as one fragment per page, layer and K/V. The views keep the logical index order
+``[num_pages, page_size, kv_heads, head_dim]`` with the strides of that layout.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from kv.spec import KVLayerSpec, LayerOwner
+
+# The order of a layer's K (or V) bytes inside a page: kv head, then token, then head dim.
+PAGE_LAYOUT = "head_major"
 
 # A function that returns a zeroed uint8 tensor of n bytes; actors pass one backed by shared memory.
 BufferAllocator = Callable[[int], torch.Tensor]
@@ -82,13 +90,13 @@ class KVPool:
             for slot, spec in enumerate(layers):
                 self._locations[spec.name] = LayerLocation(group_index, slot, slot * page_bytes,
                                                            group.page_stride, kv_bytes)
-                shape = (page_size, spec.num_kv_heads, spec.head_dim)
-                k = buffer[:, slot, 0].view(spec.dtype).unflatten(-1, shape)
-                v = buffer[:, slot, 1].view(spec.dtype).unflatten(-1, shape)
+                shape = (spec.num_kv_heads, page_size, spec.head_dim)
+                k, v = (buffer[:, slot, i].view(spec.dtype).unflatten(-1, shape).transpose(1, 2) for i in (0, 1))
                 self._views[spec.name] = (k, v)
 
     def kv_views(self, owner: LayerOwner, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V views ``[num_pages, page_size, kv_heads, head_dim]`` of one layer, in its own dtype."""
+        """K and V views ``[num_pages, page_size, kv_heads, head_dim]`` of one layer, in its own dtype, with the
+        strides of the head-major page (``[page, head, token, dim]`` in memory)."""
         return self._views[f"{owner.value}.{layer_index}"]
 
     def spec(self, owner: LayerOwner, layer_index: int) -> KVLayerSpec:

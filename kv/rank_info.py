@@ -6,6 +6,8 @@ TP: a rank publishes its ``tp_size``, ``tp_rank`` and, per layer, the kv heads i
 how many) out of the layer's total. Peers of equal TP size exchange whole pages rank to rank; between different
 TP sizes a rank READs, per layer, the kv-head slices it holds from the peer ranks holding them (``plan_reads``).
 Version 2 payloads predate the head ranges and read as the even split ``[tp_rank * n, (tp_rank + 1) * n)``.
+Version 4 adds ``page_layout``, the order of a layer's bytes inside a page (``kv.pool.PAGE_LAYOUT``); earlier
+payloads read as ``token_major``, and a peer whose layout differs is refused: its pages hold other bytes.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from kv.pool import KVPool
+from kv.pool import PAGE_LAYOUT, KVPool
 from kv.spec import LayerOwner, dtype_name
 
-RANK_INFO_VERSION = 3
+RANK_INFO_VERSION = 4
+PAGE_LAYOUTS = ("head_major", "token_major")
 
 
 class PeerMismatchError(ValueError):
@@ -69,9 +72,12 @@ class RankInfo:
     memory_type: str = "DRAM"               # NIXL segment type: DRAM or VRAM
     agent_name: str = ""
     agent_metadata: bytes = b""
+    page_layout: str = PAGE_LAYOUT          # "head_major" | "token_major" (payloads before version 4)
     version: int = RANK_INFO_VERSION
 
     def __post_init__(self):
+        if self.page_layout not in PAGE_LAYOUTS:
+            raise ValueError(f"page_layout must be one of {PAGE_LAYOUTS}, got {self.page_layout!r}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
         counts = {owner: sum(1 for layer in self.layers if layer.owner == owner) for owner in ("target", "draft")}
@@ -100,7 +106,7 @@ class RankInfo:
         if not isinstance(data, dict):
             raise ValueError("RankInfo payload must be a JSON object")
         version = data.get("version", 1)
-        if version not in (1, 2, RANK_INFO_VERSION):
+        if version not in (1, 2, 3, RANK_INFO_VERSION):
             raise ValueError(f"RankInfo version {version} is not supported (this build reads 1 to "
                              f"{RANK_INFO_VERSION})")
         try:
@@ -123,6 +129,7 @@ class RankInfo:
                 memory_type=str(data.get("memory_type", "DRAM")),
                 agent_name=str(data.get("agent_name", "")),
                 agent_metadata=base64.b64decode(data.get("agent_metadata", ""), validate=True),
+                page_layout=str(data["page_layout"]) if version >= 4 else "token_major",
                 version=RANK_INFO_VERSION,
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -174,6 +181,8 @@ def check_peer(local: RankInfo, peer: RankInfo) -> None:
 
     if local.page_size != peer.page_size:
         differ("page size", local.page_size, peer.page_size)
+    if local.page_layout != peer.page_layout:
+        differ("order of the bytes in a page", local.page_layout, peer.page_layout)
     if local.num_target_layers != peer.num_target_layers:
         differ("number of target layers", local.num_target_layers, peer.num_target_layers)
     if local.num_draft_layers != peer.num_draft_layers:

@@ -39,12 +39,18 @@ DECODE_BATCH = [(0, 1), (16, 1), (149, 1), (63, 1)]
 
 
 def make_layer_caches(num_pages, page_size, dtype, layers_in_group=3, layer=1, num_kv_heads=NUM_KV_HEADS,
-                      head_dim=HEAD_DIM, seed=0):
-    """K/V views of one layer inside a page-major group buffer [pages, layers, 2, page, H, D], filled with junk."""
+                      head_dim=HEAD_DIM, seed=0, head_major=True):
+    """K/V views [pages, page, H, D] of one layer inside a page-major group buffer filled with junk: head-major
+    pages [pages, layers, 2, H, page, D] as ``kv.pool`` lays them out, or token-major [pages, layers, 2, page, H, D]."""
     gen = torch.Generator().manual_seed(seed)
-    shape = (num_pages, layers_in_group, 2, page_size, num_kv_heads, head_dim)
-    group = (torch.randn(shape, generator=gen) * 3).to(dtype).to(DEVICE)
-    return group, group[:, layer, 0], group[:, layer, 1]
+    inner = (num_kv_heads, page_size) if head_major else (page_size, num_kv_heads)
+    group = (torch.randn((num_pages, layers_in_group, 2, *inner, head_dim), generator=gen) * 3).to(dtype).to(DEVICE)
+    return group, *layer_views(group, layer, head_major)
+
+
+def layer_views(group, layer, head_major=True):
+    """The [pages, page, H, D] K and V views of ``layer`` in a group buffer of ``make_layer_caches``."""
+    return tuple(group[:, layer, i].transpose(1, 2) if head_major else group[:, layer, i] for i in (0, 1))
 
 
 def build_batch(spec, page_size, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, seed=0, spare_pages=5):
@@ -132,10 +138,11 @@ def run(backend, query, k_cache, v_cache, meta, scale, **kw):
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("causal", [True, False])
-def test_reference_matches_dense_attention(page_size, causal):
+@pytest.mark.parametrize("head_major", [True, False])
+def test_reference_matches_dense_attention(page_size, causal, head_major):
     meta, dense_k, dense_v, num_pages = build_batch(MIXED_BATCH, page_size)
     meta.causal = causal
-    _, k_cache, v_cache = make_layer_caches(num_pages, page_size, torch.float32)
+    _, k_cache, v_cache = make_layer_caches(num_pages, page_size, torch.float32, head_major=head_major)
     write_dense(k_cache, dense_k, meta)
     write_dense(v_cache, dense_v, meta)
     query = make_query(meta, num_q_heads=6, dtype=torch.float32)  # GQA group of 3
@@ -144,11 +151,12 @@ def test_reference_matches_dense_attention(page_size, causal):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("head_major", [True, False])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, FP8_DTYPE])
-def test_store_kv_writes_mapped_slots_only(cache_dtype):
+def test_store_kv_writes_mapped_slots_only(cache_dtype, head_major):
     page_size, scale = 16, 0.37
     meta, _, _, num_pages = build_batch(MIXED_BATCH, page_size)
-    group, k_cache, v_cache = make_layer_caches(num_pages, page_size, cache_dtype)
+    group, k_cache, v_cache = make_layer_caches(num_pages, page_size, cache_dtype, head_major=head_major)
     before = group.clone()
     gen = torch.Generator().manual_seed(3)
     num_tokens = meta.slot_mapping.shape[0]
@@ -159,10 +167,11 @@ def test_store_kv_writes_mapped_slots_only(cache_dtype):
     store_kv(key, value, k_cache, v_cache, slots, k_scale=scale, v_scale=scale)
 
     expected = before.clone()
+    k_expected, v_expected = layer_views(expected, 1, head_major)
     for t, slot in enumerate(slots.tolist()):
         if slot >= 0:
-            expected[slot // page_size, 1, 0, slot % page_size] = quantize_for_cache(key[t], cache_dtype, scale)
-            expected[slot // page_size, 1, 1, slot % page_size] = quantize_for_cache(value[t], cache_dtype, scale)
+            k_expected[slot // page_size, slot % page_size] = quantize_for_cache(key[t], cache_dtype, scale)
+            v_expected[slot // page_size, slot % page_size] = quantize_for_cache(value[t], cache_dtype, scale)
     # Bitwise over the whole group buffer: other layers, skipped slots and unused pages keep their junk.
     assert torch.equal(group.view(torch.uint8), expected.view(torch.uint8))
     if cache_dtype == FP8_DTYPE:
@@ -254,8 +263,9 @@ def test_triton_store_kv_matches_torch(cache_dtype, key_dtype, scale):
         results[backend] = group
     untouched = make_layer_caches(num_pages, page_size, cache_dtype)[0]
     skipped = meta.slot_mapping[1::3]
-    assert torch.equal(results["triton"][skipped // page_size, 1, :, skipped % page_size].view(torch.uint8),
-                       untouched[skipped // page_size, 1, :, skipped % page_size].view(torch.uint8))
+    for stored, before in zip(layer_views(results["triton"], 1), layer_views(untouched, 1)):
+        assert torch.equal(stored[skipped // page_size, skipped % page_size].view(torch.uint8),
+                           before[skipped // page_size, skipped % page_size].view(torch.uint8))
     mismatched = (results["triton"].view(torch.uint8) != results["torch"].view(torch.uint8)).sum().item()
     assert mismatched == 0
 

@@ -113,11 +113,12 @@ def test_a_write_lands_at_the_location_byte_offset_and_nowhere_else(specs_fn):
             for group in pool.groups:
                 group.buffer.zero_()
             loc = pool.location(spec.owner, spec.layer_index)
-            page, slot, head, dim = 3, PAGE_SIZE - 1, spec.num_kv_heads - 1, 1
+            page, slot, head, dim = 3, 1, spec.num_kv_heads - 1, 1
             value = representable(spec.dtype, 3)
             pool.kv_views(spec.owner, spec.layer_index)[which][page, slot, head, dim] = value
 
-            element = (slot * spec.num_kv_heads + head) * spec.head_dim + dim
+            # Head-major inside a page: [kv head, token, head dim].
+            element = (head * PAGE_SIZE + slot) * spec.head_dim + dim
             start = page * loc.page_stride + loc.offset_in_page + which * loc.kv_bytes + element * spec.element_size
             expected = value.reshape(1).view(torch.uint8)
             flat = pool.groups[loc.group].buffer.view(-1)
@@ -217,3 +218,23 @@ def test_custom_buffer_allocator_backs_the_views():
 def test_duplicate_layers_are_refused():
     with pytest.raises(ValueError):
         KVPool(make_layer_specs(T, 1, BF16, 1, 8) * 2, PAGE_SIZE, NUM_PAGES)
+
+
+
+def test_one_kv_heads_tokens_of_a_page_are_one_contiguous_run():
+    """What lets a peer of another TP size READ a slice of heads as one fragment per page, layer and K/V."""
+    pool = make_pool(ALL_LAYOUTS[0])
+    spec = pool.specs[0]
+    loc = pool.location(spec.owner, spec.layer_index)
+    page, head = 2, spec.num_kv_heads - 1
+    run = PAGE_SIZE * spec.head_dim * spec.element_size
+    value = representable(spec.dtype, 2)
+    for which, view in enumerate(pool.kv_views(spec.owner, spec.layer_index)):
+        for g in pool.groups:
+            g.buffer.zero_()
+        view[page, :, head] = value
+        start = page * loc.page_stride + loc.offset_in_page + which * loc.kv_bytes + head * run
+        expected = torch.zeros_like(pool.groups[loc.group].buffer.view(-1))
+        expected[start:start + run] = value.reshape(1).view(torch.uint8).repeat(run // spec.element_size)
+        assert torch.equal(pool.groups[loc.group].buffer.view(-1), expected)
+        assert all(int(g.buffer.count_nonzero()) == 0 for n, g in enumerate(pool.groups) if n != loc.group)

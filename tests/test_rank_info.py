@@ -102,3 +102,18 @@ def test_matching_peer_registers(num_draft_layers):
     check_peer(rank_info(num_draft_layers=num_draft_layers), rank_info(num_draft_layers=num_draft_layers))
     # Another process maps its pool elsewhere: addresses may differ, the layout may not.
     check_peer(rank_info(), RankInfo.from_json(rank_info().to_json()))
+
+
+def test_a_payload_before_page_layouts_reads_as_token_major_and_is_refused():
+    """Version 3 peers lay a page out token-major: its head slices sit elsewhere, so the bytes would be wrong."""
+    mine = rank_info()
+    assert mine.page_layout == "head_major"
+    payload = json.loads(mine.to_json())
+    del payload["page_layout"]
+    payload["version"] = 3
+    old = RankInfo.from_json(json.dumps(payload))
+    assert old.page_layout == "token_major"
+    with pytest.raises(PeerMismatchError, match="order of the bytes in a page differs .*head_major.*token_major"):
+        check_peer(mine, old)
+    with pytest.raises(ValueError, match="page_layout"):
+        RankInfo.from_json(json.dumps({**json.loads(mine.to_json()), "page_layout": "diagonal"}))

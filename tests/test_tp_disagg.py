@@ -95,7 +95,9 @@ def test_every_split_decodes_the_aggregated_tokens_and_acceptance(demo, prefill_
 
 def test_each_decode_rank_reads_its_head_slice_bytes(demo):
     """1 -> 2: each decode rank READs one of the two kv heads, so the two ranks together move what 1 -> 1 moves,
-    target and draft layers alike, in fragments of one head x head dim x 4 bytes that cannot coalesce."""
+    target and draft layers alike. Pages are head-major, so a rank's head of a page's K (or V) is one run of
+    page_size x head dim x 4 bytes: one fragment per page, layer and K/V, which cannot coalesce further (the
+    other head sits between them at the prefill rank)."""
     replicas, prompt_ids, _ = demo
     reqs = requests(prompt_ids[:1], "bytes", max_tokens=4)
 
@@ -109,8 +111,8 @@ def test_each_decode_rank_reads_its_head_slice_bytes(demo):
     pages = len(stats[1]["tables"][0])
     assert stats[2]["bytes"] == stats[1]["bytes"] == pages * 9 * 2 * 16 * 2 * 64 * 4
     assert stats[1]["descriptors"] <= pages                          # whole pages, adjacent ones coalesced
-    # Per decode rank: one fragment per page, layer, K/V and token (its head is every other 256 bytes remotely).
-    assert stats[2]["descriptors"] == 2 * pages * 9 * 2 * 16
+    # Per decode rank: one fragment per page, layer and K/V, of its head's 16 tokens.
+    assert stats[2]["descriptors"] == 2 * pages * 9 * 2
 
 
 def test_ablation_lowers_acceptance_for_a_split(demo):
