@@ -30,6 +30,9 @@ class AttentionMetadata:
     max_seq_len: int
     causal: bool = True
     backend: str = "torch"  # "torch" | "triton"
+    # Triton decode: KV tiles per split, fixed (a CUDA graph captures max_seq_len as the whole capacity, and
+    # splits sized from it would leave a short sequence to one program); None: chosen from max_seq_len.
+    decode_split_tiles: int | None = None
 
 
 def store_kv(

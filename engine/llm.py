@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from engine.checkpoint import CheckpointError
+from engine.cuda_graphs import CUDA_GRAPH_MODES
 from engine.llm_engine import LLMEngine, RequestOutput, Speculator
 from engine.model import Qwen3Model
 from engine.parallel import TensorParallel
@@ -49,6 +50,7 @@ class EngineConfig:
     num_spec_tokens: int | None = None       # drafts per step; None: block_size - 1
     enable_prefix_caching: bool = True
     num_extra_kv_tokens: int = 0
+    cuda_graphs: str = "auto"                # "auto": on for CUDA with the triton backend and no TP; "on"; "off"
 
     def __post_init__(self):
         if self.page_size < 1:
@@ -57,6 +59,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
+        if self.cuda_graphs not in CUDA_GRAPH_MODES:
+            raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPH_MODES}, got {self.cuda_graphs!r}")
 
     @property
     def backend(self) -> str:
@@ -144,7 +148,8 @@ def build_engine_from_model(model: Qwen3Model, config: EngineConfig, allocate: B
     max_model_len = min(config.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
     return LLMEngine(model, tokenizer, kv, backend=config.backend, max_num_seqs=config.max_num_seqs,
                      max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
-                     speculator=unbound.bind(kv) if unbound is not None else None, layout=layout)
+                     speculator=unbound.bind(kv) if unbound is not None else None, layout=layout,
+                     cuda_graphs=config.cuda_graphs)
 
 
 class LLM:

@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from engine.cuda_graphs import StepGraphs, use_cuda_graphs
 from engine.model import Qwen3Model
 from engine.model_runner import ModelRunner, Row
 from engine.parallel import OP_STOP, OP_SYNC, OP_TARGET
@@ -24,6 +25,10 @@ from kv.layout import KVLayout
 from kv.manager import KVCacheManager
 
 log = logging.getLogger(__name__)
+
+# The largest batch captured in a CUDA graph; larger decode batches run eagerly (launch overhead is then a
+# small share of the step).
+MAX_GRAPH_BATCH = 256
 
 
 @dataclass
@@ -53,6 +58,10 @@ class Speculator(Protocol):
     def store_context(self, items: Sequence[tuple[Request, int, torch.Tensor]]) -> None: ...
 
     def clear_context(self, request: Request) -> None: ...
+
+    def enable_graphs(self, max_batch: int, max_pages: int, capture: bool) -> StepGraphs:
+        """Run the drafter's full blocks through ``StepGraphs`` (``LLMEngine.enable_cuda_graphs``)."""
+        ...
 
     # Tensor parallelism (ranks > 0 only): run a drafter forward rank 0 published.
     def follow(self, message, captured: torch.Tensor | None) -> None: ...
@@ -91,7 +100,7 @@ class LLMEngine:
 
     def __init__(self, model: Qwen3Model, tokenizer: Tokenizer | None, kv: KVCacheManager, *, backend: str,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 speculator: Speculator | None = None, layout: KVLayout | None = None):
+                 speculator: Speculator | None = None, layout: KVLayout | None = None, cuda_graphs: str = "auto"):
         self.model = model
         self.tokenizer = tokenizer
         self.kv = kv
@@ -116,6 +125,27 @@ class LLMEngine:
         # ``time_phases`` is set, since timing a GPU step needs a device sync.
         self.time_phases = False
         self.phase_seconds: dict[str, float] = {"draft": 0.0, "target": 0.0, "bookkeeping": 0.0}
+        self.max_num_seqs = max_num_seqs
+        self.graphs: list[StepGraphs] = []
+        if use_cuda_graphs(cuda_graphs, model.device, backend, model.tp is not None):
+            self.enable_cuda_graphs(capture=True)
+
+    def enable_cuda_graphs(self, capture: bool = True) -> None:
+        """Decode and verification steps (rows of 1 or K + 1 tokens) and the drafter's blocks through CUDA graphs
+        at padded batch sizes up to ``max_num_seqs`` (at most ``MAX_GRAPH_BATCH``), captured now.
+        ``capture=False`` runs the graphs' static, padded inputs eagerly instead: how tests pin the padding
+        on a machine without a GPU."""
+        spec = self.speculator
+        max_batch = min(self.max_num_seqs, MAX_GRAPH_BATCH)
+        pages = self.kv.pages_needed(self.max_model_len)
+        query_lens = (1, spec.num_spec_tokens + 1) if spec else (1,)
+        self.graphs = [self.runner.enable_graphs(query_lens, max_batch, pages, spec.capture_layers if spec else (),
+                                                 capture)]
+        if spec is not None:
+            self.graphs.append(spec.enable_graphs(max_batch, pages, capture))
+        if capture:
+            for graphs in self.graphs:
+                graphs.capture_all()
 
     # --- requests -------------------------------------------------------------------------------
     def _validate(self, request_id: str | None, prompt_token_ids: Sequence[int], params: SamplingParams

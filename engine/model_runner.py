@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.cuda_graphs import StepGraphs
 from engine.model import LayerKV, Qwen3Model
 from engine.parallel import OP_TARGET, Message
 from kv.device_tables import upload
@@ -102,14 +103,43 @@ class ModelRunner:
         self.tp = model.tp
         self.target_space = kv.space_of(LayerOwner.TARGET)
         self.layer_kv = layer_kv_of(kv, LayerOwner.TARGET, model.config.num_hidden_layers)
+        self.graphs: StepGraphs | None = None
+        self._graph_capture_layers: tuple[int, ...] = ()
+
+    def enable_graphs(self, query_lens: Sequence[int], max_batch: int, max_pages: int,
+                      capture_layers: Sequence[int], capture: bool) -> StepGraphs:
+        """Run batches of rows of ``query_lens`` tokens each whose logits are all wanted (decode, verification)
+        through ``StepGraphs``; ``capture_layers`` are the hidden states every such step captures."""
+        self._graph_capture_layers = tuple(capture_layers)
+
+        def forward(ids, positions, meta):
+            hidden, captured = self.model.forward(ids, positions, self.layer_kv, meta, self._graph_capture_layers)
+            logits = self.model.compute_logits(hidden)
+            return (logits,) if captured is None else (logits, captured)
+
+        self.graphs = StepGraphs(forward, device=self.device, query_lens=query_lens, max_batch=max_batch,
+                                 max_pages=max_pages, page_size=self.kv.page_size, causal=True,
+                                 backend=self.backend, capture=capture)
+        return self.graphs
+
+    def _graphable(self, rows: Sequence[Row], logit_rows: Sequence[int], capture_layers: Sequence[int]) -> bool:
+        q = rows[0].num_tokens
+        n = len(rows) * q
+        return (self.graphs is not None and self.graphs.accepts(len(rows), q)
+                and all(r.num_tokens == q for r in rows) and tuple(capture_layers) == self._graph_capture_layers
+                and len(logit_rows) == n and logit_rows[0] == 0 and logit_rows[-1] == n - 1)
 
     @torch.inference_mode()
     def run(self, rows: Sequence[Row], ids: torch.Tensor, logit_rows: Sequence[int],
             capture_layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Target forward over ``rows`` (their flattened token ``ids`` on the device); returns float32 logits at the
-        flat indices ``logit_rows`` and the captured hidden states of every token (or None)."""
+        flat indices ``logit_rows`` and the captured hidden states of every token (or None). A batch of rows of
+        one length whose every logit is wanted runs through the CUDA graphs when they are on."""
         positions, meta = build_metadata(self.kv, self.target_space, rows, causal=True, backend=self.backend,
                                          device=self.device)
+        if self._graphable(rows, logit_rows, capture_layers):
+            outputs = self.graphs.run(len(rows), rows[0].num_tokens, ids, positions, meta)
+            return outputs[0], (outputs[1] if capture_layers else None)
         index = upload(logit_rows, torch.int64, self.device)
         if self.tp is not None:
             ints, tensors = pack_inputs(ids, positions, meta)

@@ -357,7 +357,9 @@ def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
     tiling = DECODE_TILING[k_cache.element_size()]
     block_n = block_n or (16 if INTERPRET else tiling.block_n)
     num_tiles = max(1, triton.cdiv(meta.max_seq_len, block_n))
-    if num_splits is None:
+    if num_splits is None and meta.decode_split_tiles is not None:
+        num_splits = triton.cdiv(num_tiles, meta.decode_split_tiles)
+    elif num_splits is None:
         num_splits = _default_num_splits(num_seqs * num_kv_heads, num_tiles, query.device)
     tiles_per_split = triton.cdiv(num_tiles, min(num_splits, num_tiles))
     num_splits = triton.cdiv(num_tiles, tiles_per_split)  # no split may start past max_seq_len

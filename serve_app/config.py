@@ -43,6 +43,7 @@ class ModelSettings(_Strict):
     max_num_batched_tokens: int = Field(512, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     attention_backend: Literal["torch", "triton"] | None = None
+    cuda_graphs: Literal["auto", "on", "off"] = "auto"   # auto: on for CUDA with the triton backend and no TP
     tensor_parallel_size: int = Field(1, ge=1)        # every role's, unless its deployment sets its own
     pipeline_parallel_size: int = Field(1, ge=1)
     num_threads: int = Field(1, ge=1)                 # torch threads per replica process
@@ -74,7 +75,7 @@ class ModelSettings(_Strict):
             dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype, draft_kv_cache_dtype=self.draft_kv_cache_dtype,
             page_size=self.page_size, num_pages=self.num_pages, shared_draft_kv=self.shared_draft_kv,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len, attention_backend=self.attention_backend,
+            max_model_len=self.max_model_len, attention_backend=self.attention_backend, cuda_graphs=self.cuda_graphs,
             num_spec_tokens=None if self.block_size is None else self.block_size - 1)
         if self.kv_cache_bytes is not None:
             kwargs["kv_cache_bytes"] = self.kv_cache_bytes

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.cuda_graphs import StepGraphs
 from engine.llm import EngineConfig, kv_cache_dtype
 from engine.llm_engine import Proposal
 from engine.model import Qwen3Model
@@ -45,6 +46,16 @@ class DFlashSpeculator:
         self.space = kv.space_of(LayerOwner.DRAFT)
         self.layer_kv = layer_kv_of(kv, LayerOwner.DRAFT, drafter.config.num_hidden_layers)
         self.tp = target.tp
+        self.graphs: StepGraphs | None = None
+
+    def enable_graphs(self, max_batch: int, max_pages: int, capture: bool) -> StepGraphs:
+        """Draft full blocks (``num_spec_tokens`` drafts a row) through ``StepGraphs``."""
+        width = self.num_spec_tokens + 1
+        self.graphs = StepGraphs(lambda ids, positions, meta: (self._draft(ids, positions, meta, width),),
+                                 device=self.drafter.device, query_lens=(width,), max_batch=max_batch,
+                                 max_pages=max_pages, page_size=self.kv.page_size, causal=False,
+                                 backend=self.backend, capture=capture)
+        return self.graphs
 
     @torch.inference_mode()
     def draft_logits(self, requests: Sequence[Request], num_drafts: int) -> torch.Tensor:
@@ -62,11 +73,13 @@ class DFlashSpeculator:
         if self.tp is not None:
             ints, tensors = pack_inputs(ids, positions, meta)
             self.tp.publish(OP_DRAFT, ints + [len(requests), width], tensors)
-        return self._draft(ids, positions, meta, len(requests), width)
+        if self.graphs is not None and self.graphs.accepts(len(requests), width):
+            return self.graphs.run(len(requests), width, ids, positions, meta)[0]
+        return self._draft(ids, positions, meta, width)
 
-    def _draft(self, ids, positions, meta, batch: int, width: int) -> torch.Tensor:
+    def _draft(self, ids, positions, meta, width: int) -> torch.Tensor:
         hidden = self.drafter.forward_block(self.target.embed(ids), positions, self.layer_kv, meta)
-        hidden = hidden.view(batch, width, -1)
+        hidden = hidden.view(-1, width, hidden.shape[-1])
         # Slot k predicts start + k; the target's LM head (vocab-parallel under TP) gives the logits.
         return self.target.lm_logits(self.drafter.final_norm(hidden[:, 1:]))
 
@@ -146,8 +159,8 @@ class DFlashSpeculator:
     def follow(self, message: Message, captured: torch.Tensor | None) -> None:
         """A rank > 0: the drafter forward rank 0 published (``captured``: the last target forward's)."""
         if message.op == OP_DRAFT:
-            ids, positions, meta, (batch, width), _ = unpack_inputs(message, self.backend)
-            self._draft(ids, positions, meta, batch, width)
+            ids, positions, meta, (_, width), _ = unpack_inputs(message, self.backend)
+            self._draft(ids, positions, meta, width)
         elif message.op == OP_STORE:
             positions, slot_mapping, index = message.tensors
             self._store(captured[index.to(captured.device)], positions, slot_mapping)

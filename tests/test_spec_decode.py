@@ -284,7 +284,9 @@ def test_fp8_target_and_bf16_draft_share_one_manager(tiny_target, drafter_dir):
     raw = pool.groups[loc.group].buffer.view(-1)
     start = 5 * loc.page_stride + loc.offset_in_page + loc.kv_bytes
     back = raw[start:start + loc.kv_bytes].view(torch.bfloat16)
-    assert torch.equal(back, torch.arange(d_v[5].numel(), dtype=torch.bfloat16))
+    # Pages are head-major in memory: [kv head, token, head dim].
+    written = torch.arange(d_v[5].numel(), dtype=torch.bfloat16).view_as(d_v[5])
+    assert torch.equal(back, written.transpose(0, 1).reshape(-1))
     # And the engine still decodes through the mixed pool.
     out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=6, ignore_eos=True))[0]
     assert len(out.token_ids) == 6 and llm.engine.kv.pages_in_use() == 0

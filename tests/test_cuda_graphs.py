@@ -1,0 +1,108 @@
+"""CUDA graphs' CPU-testable parts: the capture ladder, when graphs are on, and the static padded inputs.
+
+Without a GPU nothing is captured: ``enable_cuda_graphs(capture=False)`` runs the very static, padded buffers a
+graph would replay, eagerly. The GPU half (a replay bit-identical to eager, step times) is
+``benchmarks/gpu_step_check.py --device cuda``."""
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.attention import AttentionMetadata, store_kv
+from engine.cuda_graphs import StepGraphs, capture_sizes, use_cuda_graphs
+from engine.llm import EngineConfig
+from spec_decode import LLM
+from tests import checkpoints
+
+# Lengths and budgets that make the decode batch shrink inside one padded size (5 -> 4 -> ... rows in a graph
+# of 8), so rows a finished request used become padding.
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(10, 42)), [5] * 16, [100]]
+MAX_TOKENS = [24, 9, 17, 30, 5]
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory):
+    return checkpoints.write_tiny_drafter(tmp_path_factory.mktemp("drafter"), num_layers=2, block_size=4)
+
+
+def test_the_ladder_pads_every_batch_to_a_captured_size():
+    assert capture_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(12) == [1, 2, 4, 8, 12]
+    graphs = StepGraphs(lambda ids, positions, meta: (ids,), device="cpu", query_lens=(1,), max_batch=12,
+                        max_pages=2, page_size=4, causal=True, backend="torch", capture=False)
+    assert [graphs.padded(b) for b in (1, 3, 5, 9, 12)] == [1, 4, 8, 12, 12]
+    assert graphs.accepts(12, 1) and not graphs.accepts(13, 1) and not graphs.accepts(4, 2)
+
+
+def test_graphs_are_on_only_where_they_can_be_captured():
+    assert use_cuda_graphs("auto", "cuda", "triton", tensor_parallel=False)
+    assert not use_cuda_graphs("auto", "cpu", "torch", tensor_parallel=False)
+    assert not use_cuda_graphs("auto", "cuda", "torch", tensor_parallel=False)
+    assert not use_cuda_graphs("auto", "cuda", "triton", tensor_parallel=True)
+    assert not use_cuda_graphs("off", "cuda", "triton", tensor_parallel=False)
+    with pytest.raises(ValueError, match="cuda_graphs=on but the device is cpu, not CUDA"):
+        use_cuda_graphs("on", "cpu", "triton", tensor_parallel=False)
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        use_cuda_graphs("on", "cuda", "triton", tensor_parallel=True)
+    with pytest.raises(ValueError, match="cuda_graphs must be one of"):
+        EngineConfig(model="x", cuda_graphs="yes")
+
+
+def test_padded_rows_store_nothing_even_where_an_earlier_batch_stored():
+    """A batch of 3 after a batch of 4 in the same graph size: row 4's inputs are left from the first batch, and
+    its slot must not be written again (it may be a freed page now another request's)."""
+    page_size, heads, dim = 4, 1, 2
+    k_cache = torch.zeros(8, page_size, heads, dim)
+    v_cache = torch.zeros(8, page_size, heads, dim)
+
+    def forward(ids, positions, meta):
+        values = ids.float().view(-1, 1, 1).expand(-1, heads, dim).contiguous()
+        store_kv(values, values, k_cache, v_cache, meta.slot_mapping)
+        return (ids * 10, meta.seq_lens.clone())
+
+    graphs = StepGraphs(forward, device="cpu", query_lens=(1,), max_batch=4, max_pages=2, page_size=page_size,
+                        causal=True, backend="torch", capture=False)
+
+    def batch(ids, slots, seq_lens):
+        tables = torch.tensor([[s // page_size, 0] for s in slots], dtype=torch.int32)
+        meta = AttentionMetadata(torch.arange(len(ids) + 1, dtype=torch.int32),
+                                 torch.tensor(seq_lens, dtype=torch.int32), tables, torch.tensor(slots), 1,
+                                 max(seq_lens))
+        return graphs.run(len(ids), 1, torch.tensor(ids), torch.tensor(slots) % page_size, meta)
+
+    out, lens = batch([1, 2, 3, 4], [0, 5, 10, 29], [1, 2, 3, 2])
+    assert out.tolist() == [10, 20, 30, 40] and lens.tolist() == [1, 2, 3, 2]
+    assert k_cache[7, 1, 0, 0] == 4                      # slot 29: page 7, offset 1
+    k_cache[7, 1] = -1.0                                 # the page changed hands since
+    out, lens = batch([6, 7, 8], [1, 6, 11], [2, 3, 4])
+    assert out.tolist() == [60, 70, 80] and lens.tolist() == [2, 3, 4]
+    assert k_cache[7, 1, 0, 0] == -1.0                   # the padded row stored nothing
+    assert graphs.seq_lens.tolist() == [2, 3, 4, 1] and graphs.slots.tolist()[:4] == [1, 6, 11, -1]
+    assert [k_cache[s // page_size, s % page_size, 0, 0].item() for s in (1, 6, 11)] == [6, 7, 8]
+
+
+@pytest.mark.parametrize("with_drafter", [False, True])
+def test_static_padded_steps_give_the_eager_tokens_and_acceptance(tiny_target, drafter_dir, with_drafter):
+    """The graphs' static padded inputs (run eagerly here) decode exactly what the eager engine decodes: tokens and
+    per-step acceptance, while the batch shrinks inside a padded size; and decode steps did go through them."""
+    def generate(graphed):
+        llm = LLM(tiny_target, draft=drafter_dir if with_drafter else None, page_size=4, max_num_seqs=8)
+        if graphed:
+            llm.engine.enable_cuda_graphs(capture=False)
+        params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+        for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
+            llm.engine.add_request(prompt, p, request_id=str(i))
+        done = {}
+        while llm.engine.has_unfinished():
+            for out in llm.engine.step():
+                if out.finished:
+                    done[out.request_id] = (out.token_ids, out.acceptance_lengths)
+        return done, llm.engine
+
+    eager, _ = generate(False)
+    graphed, engine = generate(True)
+    assert graphed == eager
+    assert engine.kv.pages_in_use() == 0
+    runs = [g.steps_run for g in engine.graphs]
+    assert len(runs) == (2 if with_drafter else 1) and all(n > 5 for n in runs), runs
