@@ -1,10 +1,12 @@
 """Engine throughput against transformers' generate on the same weights, in one run.
 
 CPU:  python benchmarks/engine_bench.py --preset tiny
-GPU:  python benchmarks/engine_bench.py --preset qwen3-8b --device cuda   (random bf16 weights)
+GPU:  python benchmarks/engine_bench.py --preset qwen3-8b --device cuda --batches 1,8,32,128   (random bf16 weights)
 
-Prints prefill and decode tokens/s at batch 1 and 32 for both, their ratio, and on CUDA the decode step
-time against the floor of reading the weights and the KV once at the copy bandwidth measured here.
+Prints prefill and decode tokens/s per batch for both, their ratio, and the decode step time against the floor
+of reading the weights and the KV once at the copy bandwidth measured here. On CUDA the engine runs twice per
+batch, eager (``cuda_graphs: off``) and graphed (``on``), side by side; ``--profile`` then prints, for the graphed
+decode step, the kernels a step launches, the GPU's busy time against the step's wall time, and the top kernels.
 """
 
 from __future__ import annotations
@@ -91,6 +93,32 @@ def time_hf(model, prompts, n_out):
     return prefill, (t2 - t1 - prefill) / (n_out - 1)
 
 
+def profile_decode(engine, prompts, n_out, steps=4):
+    """Kernels per decode step, their summed time against the step's wall time, and the costliest kernels."""
+    from engine import SamplingParams
+
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=n_out, ignore_eos=True))
+    for _ in range(4):                        # prefill and a few decode steps first
+        engine.step()
+    sync(engine.model.device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync(engine.model.device)
+        wall = (time.perf_counter() - t) / steps
+    while engine.has_unfinished():
+        engine.step()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
+    count = sum(e.count for e in kernels) / steps
+    print(f"batch {len(prompts)}: step {wall * 1e3:.2f} ms wall, {count:.0f} kernels, GPU busy {busy:.2f} ms "
+          f"({busy / (wall * 1e3):.0%})")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]:
+        print(f"  {e.self_device_time_total / 1e3 / steps:8.3f} ms  x{e.count // steps:<4} {e.key[:110]}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
@@ -101,8 +129,12 @@ def main():
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--json", default=None)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (both engines)")
+    ap.add_argument("--graphs", default=None, help="cuda_graphs modes to run side by side (default: off,on on CUDA)")
+    ap.add_argument("--profile", action="store_true", help="profile the last mode's decode step at each batch")
     args = ap.parse_args()
     device = torch.device(args.device)
+    modes = (args.graphs or ("off,on" if device.type == "cuda" else "off")).split(",")
+    batches = [int(b) for b in args.batches.split(",")]
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -116,47 +148,56 @@ def main():
         from engine.llm import EngineConfig, build_engine_from_model
         from engine.model import Qwen3Model
 
-        if device.type == "cpu":
-            engine = LLM(tmp, dtype=str(dtype).removeprefix("torch."), max_num_batched_tokens=8192,
-                         max_num_seqs=64, page_size=16).engine
-        else:
-            # Share transformers' weights instead of writing 16 GB to disk.
-            cfg = Qwen3Config.from_dict({**preset, "rms_norm_eps": 1e-6, "rope_theta": 1e6})
-            tensors = {k: v for k, v in hf.state_dict().items()}
-            model = Qwen3Model(cfg, tensors, device, dtype, "random")
-            engine = build_engine_from_model(model, EngineConfig(model="random", device=args.device,
-                                                              dtype=str(dtype).removeprefix("torch."),
-                                                              max_num_batched_tokens=8192, max_num_seqs=64,
-                                                              kv_cache_bytes=8 * 2**30))
+        max_seqs = max(64, max(batches))
+        engines = {}
+        for mode in modes:
+            if device.type == "cpu":
+                engines[mode] = LLM(tmp, dtype=str(dtype).removeprefix("torch."), max_num_batched_tokens=8192,
+                                    max_num_seqs=max_seqs, page_size=16, cuda_graphs=mode).engine
+            else:
+                # Share transformers' weights instead of writing 16 GB to disk.
+                cfg = Qwen3Config.from_dict({**preset, "rms_norm_eps": 1e-6, "rope_theta": 1e6})
+                model = Qwen3Model(cfg, dict(hf.state_dict()), device, dtype, "random")
+                engines[mode] = build_engine_from_model(
+                    model, EngineConfig(model="random", device=args.device, dtype=str(dtype).removeprefix("torch."),
+                                        max_num_batched_tokens=8192, max_num_seqs=max_seqs,
+                                        kv_cache_bytes=8 * 2**30, cuda_graphs=mode))
         bw = copy_bandwidth(device)
         weight_bytes = sum(t.numel() * t.element_size() for t in hf.state_dict().values())
         c = preset
         kv_bytes_per_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * dtype.itemsize
         results = []
-        for batch in [int(b) for b in args.batches.split(",")]:
+        for batch in batches:
             g = torch.Generator().manual_seed(batch)
             prompts = torch.randint(0, c["vocab_size"], (batch, args.prompt_len), generator=g).tolist()
-            time_engine(engine, [p[:16] for p in prompts[:2]], 4)   # warm-up
-            e_prefill, e_step, steps = time_engine(engine, prompts, args.out_len)
             h_prefill, h_step = time_hf(hf, prompts, args.out_len)
             ctx = args.prompt_len + args.out_len // 2
             # Bytes read over the copy bandwidth, which counts read + write: a copy moves twice the bytes it
             # reads, so read-only traffic streams at about that rate (half of it made the floor twice too long).
             floor = (weight_bytes + batch * ctx * kv_bytes_per_token) / bw
-            row = dict(batch=batch, engine_prefill_tok_s=batch * args.prompt_len / e_prefill,
-                       hf_prefill_tok_s=batch * args.prompt_len / h_prefill,
-                       engine_decode_tok_s=batch / e_step, hf_decode_tok_s=batch / h_step,
-                       engine_step_ms=e_step * 1e3, hf_step_ms=h_step * 1e3, floor_step_ms=floor * 1e3)
-            row["prefill_ratio"] = row["engine_prefill_tok_s"] / row["hf_prefill_tok_s"]
-            row["decode_ratio"] = row["engine_decode_tok_s"] / row["hf_decode_tok_s"]
-            row["floor_over_engine"] = floor / e_step
-            results.append(row)
+            for mode, engine in engines.items():
+                # Warm-up at this batch's full shapes: the first prefill of a shape compiles kernels and grows the
+                # caching allocator, which would otherwise land in the timed prefill of whichever engine runs first.
+                # Other token ids, so that the timed prompts find nothing in the prefix cache.
+                time_engine(engine, [[(t + 1) % c["vocab_size"] for t in p] for p in prompts], 2)
+                e_prefill, e_step, steps = time_engine(engine, prompts, args.out_len)
+                row = dict(batch=batch, graphs=mode, engine_prefill_tok_s=batch * args.prompt_len / e_prefill,
+                           hf_prefill_tok_s=batch * args.prompt_len / h_prefill,
+                           engine_decode_tok_s=batch / e_step, hf_decode_tok_s=batch / h_step,
+                           engine_step_ms=e_step * 1e3, hf_step_ms=h_step * 1e3, floor_step_ms=floor * 1e3)
+                row["prefill_ratio"] = row["engine_prefill_tok_s"] / row["hf_prefill_tok_s"]
+                row["decode_ratio"] = row["engine_decode_tok_s"] / row["hf_decode_tok_s"]
+                row["floor_over_engine"] = floor / e_step
+                results.append(row)
+            if args.profile and device.type == "cuda":
+                profile_decode(engines[modes[-1]], prompts, args.out_len)
     print(f"device {device} dtype {dtype} preset {args.preset}: weights {weight_bytes / 2**30:.2f} GiB, "
           f"copy bandwidth {bw / 1e9:.0f} GB/s (read+write)")
-    print(f"{'batch':>5} {'prefill tok/s':>14} {'hf':>10} {'ratio':>6} {'decode tok/s':>13} {'hf':>10} {'ratio':>6} "
+    print(f"{'batch':>5} {'graphs':>6} {'prefill tok/s':>14} {'hf':>10} {'ratio':>6} {'decode tok/s':>13} {'hf':>10} "
+          f"{'ratio':>6} "
           f"{'step ms':>8} {'hf ms':>8} {'floor ms':>9} {'floor/step':>10}")
     for r in results:
-        print(f"{r['batch']:>5} {r['engine_prefill_tok_s']:>14.0f} {r['hf_prefill_tok_s']:>10.0f} "
+        print(f"{r['batch']:>5} {r['graphs']:>6} {r['engine_prefill_tok_s']:>14.0f} {r['hf_prefill_tok_s']:>10.0f} "
               f"{r['prefill_ratio']:>6.2f} {r['engine_decode_tok_s']:>13.0f} {r['hf_decode_tok_s']:>10.0f} "
               f"{r['decode_ratio']:>6.2f} {r['engine_step_ms']:>8.2f} {r['hf_step_ms']:>8.2f} "
               f"{r['floor_step_ms']:>9.3f} {r['floor_over_engine']:>10.2f}")

@@ -1,6 +1,8 @@
-"""Where a decode step's time goes: torch.profiler over a few steps of a random-weight engine.
+"""Where a decode step's time goes: torch.profiler over a few steps of a random-weight engine (graphed on CUDA,
+as ``cuda_graphs: auto`` runs it), or with ``--host`` the host's Python time per function (cProfile; on a GPU
+the time the step waits for the device shows up in the one host read, ``tolist``).
 
-python benchmarks/profile_step.py --preset qwen3-8b --device cuda --batch 1
+python benchmarks/profile_step.py --preset qwen3-8b --device cuda --batch 1 [--host]
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--host", action="store_true", help="cProfile the host's Python instead of torch.profiler")
     args = ap.parse_args()
     torch.set_num_threads(1)
     device = torch.device(args.device)
@@ -46,6 +49,17 @@ def main():
         engine.step()
     sync()
     print(f"decode step {1e3 * (time.perf_counter() - t) / args.steps:.2f} ms at batch {args.batch}")
+    if args.host:
+        import cProfile
+        import pstats
+
+        with cProfile.Profile() as prof:
+            for _ in range(args.steps):
+                engine.step()
+            sync()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof).sort_stats("cumtime").print_stats(30)
+        return
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
                                                            if device.type == "cuda" else [])
     with torch.profiler.profile(activities=activities) as prof:

@@ -21,12 +21,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run(engine, prompts, max_tokens, batch):
-    from engine import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    engine.phase_seconds = dict.fromkeys(engine.phase_seconds, 0.0)
-    engine.time_phases = True
+def _generate(engine, prompts, params, batch):
     outputs = []
     t = time.perf_counter()
     for i in range(0, len(prompts), batch):
@@ -34,8 +29,21 @@ def run(engine, prompts, max_tokens, batch):
         while engine.has_unfinished():
             engine.step()
         outputs.extend(reqs)
-    elapsed = time.perf_counter() - t
-    engine.time_phases = False
+    return outputs, time.perf_counter() - t
+
+
+def run(engine, prompts, max_tokens, batch, phases=True):
+    """Tokens/s of the prompts in batches of ``batch``; then, with ``phases``, the same again with the step's
+    phases timed (each phase ends in a device sync, so that pass is slower and only gives the split)."""
+    from engine import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    outputs, elapsed = _generate(engine, prompts, params, batch)
+    if phases:
+        engine.phase_seconds = dict.fromkeys(engine.phase_seconds, 0.0)
+        engine.time_phases = True
+        _generate(engine, prompts, params, batch)
+        engine.time_phases = False
     tokens = sum(len(r.output_token_ids) for r in outputs)
     drafts = sum(r.spec.num_drafts for r in outputs)
     accepted = sum(r.spec.num_accepted_tokens for r in outputs)
@@ -119,11 +127,12 @@ def main():
     ap.add_argument("--block-size", type=int, default=16, help="random drafter's block size (qwen3-8b preset)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true", help="kernels and GPU busy time of a few with-drafter steps")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     base, spec, prompts = demo_engines(args) if args.preset == "demo" else random_engines(args)
-    run(base, prompts[:2], 8, args.batch)          # warm-up
-    run(spec, prompts[:2], 8, args.batch)
+    run(base, prompts[:2], 8, args.batch, phases=False)          # warm-up
+    run(spec, prompts[:2], 8, args.batch, phases=False)
     b = run(base, prompts, args.max_tokens, args.batch)
     s = run(spec, prompts, args.max_tokens, args.batch)
     lossless = b["outputs"] == s["outputs"]
@@ -134,7 +143,14 @@ def main():
     print(f"target only   {b['tokens_per_s']:9.1f} tok/s")
     print(f"with drafter  {s['tokens_per_s']:9.1f} tok/s   speedup {speedup:.2f}x   mean AL "
           f"{s['mean_al']:.2f}   speedup/AL {speedup / s['mean_al']:.2f}")
-    print("with-drafter time split: " + ", ".join(f"{k} {v / total:.0%}" for k, v in s["phases"].items()))
+    print("with-drafter time split (a second pass, each phase synced): "
+          + ", ".join(f"{k} {v / total:.0%}" for k, v in s["phases"].items()))
+    if args.profile and args.device == "cuda":
+        from benchmarks.engine_bench import profile_decode
+
+        for name, engine in (("target only", base), ("with drafter", spec)):
+            print(name, end=": ")
+            profile_decode(engine, prompts[:args.batch], args.max_tokens)
     if args.json:
         Path(args.json).write_text(json.dumps({"base": {k: v for k, v in b.items() if k != "outputs"},
                                                "spec": {k: v for k, v in s.items() if k != "outputs"},

@@ -21,6 +21,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                 backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(rms_norm(residual + x), residual + x)``, or ``(rms_norm(x), None)`` without a residual; the Triton
+    backend fuses the add and the norm into one kernel."""
+    if backend == "triton":
+        from engine import triton_ops
+
+        return triton_ops.rms_norm(x, weight, eps, residual)
+    if residual is not None:
+        x = residual + x
+    return rms_norm(x, weight, eps), (x if residual is not None else None)
+
+
 def rope_table(head_dim: int, theta: float, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 cos/sin ``[max_positions, head_dim]`` of rotate-half RoPE."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
@@ -97,7 +110,11 @@ def load_decoder_layer(tensors: dict, prefix: str, hidden: int, heads: int, kv_h
     )
 
 
-def swiglu_mlp(x: torch.Tensor, w: DecoderLayerWeights) -> torch.Tensor:
+def swiglu_mlp(x: torch.Tensor, w: DecoderLayerWeights, backend: str = "torch") -> torch.Tensor:
+    if backend == "triton":
+        from engine import triton_ops
+
+        return F.linear(triton_ops.silu_mul(F.linear(x, w.gate_up)), w.down)
     gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, w.down)
 
@@ -176,21 +193,27 @@ class Qwen3Model:
             logits = self.tp.all_gather_vocab(logits, self.config.vocab_size)
         return logits.float()
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, backend: str = "torch") -> torch.Tensor:
         """Logits in float32 from final (un-normed) hidden states."""
-        return self.lm_logits(rms_norm(hidden, self.norm, self.config.rms_norm_eps))
+        return self.lm_logits(add_rms_norm(hidden, self.norm, self.config.rms_norm_eps, backend=backend)[0])
 
     def attention(self, layer: DecoderLayerWeights, x: torch.Tensor, positions: torch.Tensor, kv: LayerKV,
                   meta: AttentionMetadata) -> torch.Tensor:
         c = self.config
         qkv = F.linear(x, layer.qkv)
-        kv_dim = self.num_kv_heads * c.head_dim
-        q, k, v = qkv.split([self.num_heads * c.head_dim, kv_dim, kv_dim], dim=-1)
-        q = rms_norm(q.unflatten(-1, (self.num_heads, c.head_dim)), layer.q_norm, c.rms_norm_eps)
-        k = rms_norm(k.unflatten(-1, (self.num_kv_heads, c.head_dim)), layer.k_norm, c.rms_norm_eps)
-        v = v.unflatten(-1, (self.num_kv_heads, c.head_dim))
-        q = self.rope(q, positions)
-        k = self.rope(k, positions)
+        if meta.backend == "triton":
+            from engine import triton_ops
+
+            q, k, v = triton_ops.qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, c.head_dim, layer.q_norm,
+                                              layer.k_norm, c.rms_norm_eps, positions, self.rope.cos, self.rope.sin)
+        else:
+            kv_dim = self.num_kv_heads * c.head_dim
+            q, k, v = qkv.split([self.num_heads * c.head_dim, kv_dim, kv_dim], dim=-1)
+            q = rms_norm(q.unflatten(-1, (self.num_heads, c.head_dim)), layer.q_norm, c.rms_norm_eps)
+            k = rms_norm(k.unflatten(-1, (self.num_kv_heads, c.head_dim)), layer.k_norm, c.rms_norm_eps)
+            v = v.unflatten(-1, (self.num_kv_heads, c.head_dim))
+            q = self.rope(q, positions)
+            k = self.rope(k, positions)
         store_kv(k, v, kv.k_cache, kv.v_cache, meta.slot_mapping, kv.k_scale, kv.v_scale, backend=meta.backend)
         out = paged_attention(q, kv.k_cache, kv.v_cache, meta, self.scale, kv.k_scale, kv.v_scale)
         return self.reduce(F.linear(out.flatten(-2), layer.o))
@@ -203,9 +226,16 @@ class Qwen3Model:
         captured = []
         wanted = set(capture_layers)
         eps = self.config.rms_norm_eps
+        backend = meta.backend
+        # Each norm takes the residual add before it (one fused kernel on the Triton backend).
+        x, _ = add_rms_norm(h, self.layers[0].input_norm, eps, backend=backend)
         for i, layer in enumerate(self.layers):
-            h = h + self.attention(layer, rms_norm(h, layer.input_norm, eps), positions, kv[i], meta)
-            h = h + self.reduce(swiglu_mlp(rms_norm(h, layer.post_norm, eps), layer))
+            x, h = add_rms_norm(self.attention(layer, x, positions, kv[i], meta), layer.post_norm, eps, h, backend)
+            mlp = self.reduce(swiglu_mlp(x, layer, backend))
+            if i + 1 < len(self.layers):
+                x, h = add_rms_norm(mlp, self.layers[i + 1].input_norm, eps, h, backend)
+            else:
+                h = h + mlp
             if i in wanted:
                 # Hugging Face's hidden_states[L] (the last layer's output) is taken after the final
                 # norm; drafters are trained on that indexing, so capture it the same way.

@@ -114,7 +114,7 @@ class ModelRunner:
 
         def forward(ids, positions, meta):
             hidden, captured = self.model.forward(ids, positions, self.layer_kv, meta, self._graph_capture_layers)
-            logits = self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden, self.backend)
             return (logits,) if captured is None else (logits, captured)
 
         self.graphs = StepGraphs(forward, device=self.device, query_lens=query_lens, max_batch=max_batch,
@@ -148,7 +148,7 @@ class ModelRunner:
 
     def _forward(self, ids, positions, meta, index, capture_layers) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden, captured = self.model.forward(ids, positions, self.layer_kv, meta, capture_layers)
-        logits = self.model.compute_logits(hidden[index]) if len(index) else hidden.new_zeros(0)
+        logits = self.model.compute_logits(hidden[index], self.backend) if len(index) else hidden.new_zeros(0)
         return logits, captured
 
     @torch.inference_mode()

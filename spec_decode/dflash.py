@@ -81,7 +81,7 @@ class DFlashSpeculator:
         hidden = self.drafter.forward_block(self.target.embed(ids), positions, self.layer_kv, meta)
         hidden = hidden.view(-1, width, hidden.shape[-1])
         # Slot k predicts start + k; the target's LM head (vocab-parallel under TP) gives the logits.
-        return self.target.lm_logits(self.drafter.final_norm(hidden[:, 1:]))
+        return self.target.lm_logits(self.drafter.final_norm(hidden[:, 1:], self.backend))
 
     def propose(self, rows: Sequence[ScheduledRequest]) -> list[Proposal]:
         if not rows:
@@ -138,7 +138,7 @@ class DFlashSpeculator:
             r.num_draft_context = start + len(h)
 
     def _store(self, captured: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        context = self.drafter.project_context(captured)
+        context = self.drafter.project_context(captured, self.backend)
         self.drafter.store_context(context, positions, self.layer_kv, slot_mapping, self.backend)
 
     def clear_context(self, request: Request) -> None:

@@ -26,8 +26,8 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention, store_kv
 from engine.checkpoint import CheckpointError, Qwen3Config, load_tensors, read_config, require, take
-from engine.model import (DecoderLayerWeights, LayerKV, Qwen3Model, apply_rope, load_decoder_layer, rms_norm,
-                          rope_table, swiglu_mlp)
+from engine.model import (DecoderLayerWeights, LayerKV, Qwen3Model, add_rms_norm, apply_rope, load_decoder_layer,
+                          rms_norm, rope_table, swiglu_mlp)
 from engine.parallel import ShardPlan, TensorParallel, active
 from kv.spec import KVLayerSpec, LayerOwner, make_layer_specs
 
@@ -249,9 +249,10 @@ class DFlashDrafter(nn.Module):
         return make_layer_specs(LayerOwner.DRAFT, c.num_hidden_layers, dtype, self.num_kv_heads, c.head_dim)
 
     # --- the layers -----------------------------------------------------------------------------
-    def project_context(self, captured: torch.Tensor) -> torch.Tensor:
+    def project_context(self, captured: torch.Tensor, backend: str = "torch") -> torch.Tensor:
         """Target hidden states [..., n*H] at target_layer_ids -> drafter context [..., H]."""
-        return rms_norm(F.linear(captured, self.fc), self.hidden_norm, self.config.rms_norm_eps)
+        return add_rms_norm(F.linear(captured, self.fc), self.hidden_norm, self.config.rms_norm_eps,
+                            backend=backend)[0]
 
     def _q(self, layer: DFlashLayer, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -259,32 +260,56 @@ class DFlashDrafter(nn.Module):
         q = rms_norm(q.unflatten(-1, (self.num_heads, c.head_dim)), layer.q_norm, c.rms_norm_eps)
         return apply_rope(q, positions, self.rope_cos, self.rope_sin)
 
-    def _kv(self, layer: DFlashLayer, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kv(self, layer: DFlashLayer, x: torch.Tensor, positions: torch.Tensor, backend: str = "torch"
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
         q_dim, kv_dim = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
+        if backend == "triton":        # serving: k normed and rotated in one kernel (no q heads)
+            _, k, v = self._fused_qkv(layer, 0, x, positions)
+            return k, v
         k, v = F.linear(x, layer.qkv[q_dim:]).split([kv_dim, kv_dim], dim=-1)
         k = rms_norm(k.unflatten(-1, (self.num_kv_heads, c.head_dim)), layer.k_norm, c.rms_norm_eps)
         k = apply_rope(k, positions, self.rope_cos, self.rope_sin)
         return k, v.unflatten(-1, (self.num_kv_heads, c.head_dim))
 
-    def _decode(self, h: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def _fused_qkv(self, layer: DFlashLayer, num_heads: int, x: torch.Tensor, positions: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (``num_heads`` of them: all or none), k and v of ``x`` ``[T, H]`` through the Triton kernel that
+        norms and rotates q and k."""
+        from engine import triton_ops
+
+        c = self.config
+        weight = layer.qkv[(self.num_heads - num_heads) * c.head_dim:]
+        return triton_ops.qk_norm_rope(F.linear(x, weight), num_heads, self.num_kv_heads, c.head_dim, layer.q_norm,
+                                       layer.k_norm, c.rms_norm_eps, positions, self.rope_cos, self.rope_sin)
+
+    def _decode(self, h: torch.Tensor, positions: torch.Tensor, attend: Attend, backend: str = "torch"
+                ) -> torch.Tensor:
         """The draft layers over the block's hidden states; ``attend`` is each layer's attention over the
         context and the block (paged when serving, dense when training)."""
         eps = self.config.rms_norm_eps
+        x, _ = add_rms_norm(h, self.layers[0].input_norm, eps, backend=backend)
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, eps)
-            q = self._q(layer, x, positions)
-            k, v = self._kv(layer, x, positions)
-            h = h + self._reduce(F.linear(attend(i, q, k, v).flatten(-2), layer.o))
-            h = h + self._reduce(swiglu_mlp(rms_norm(h, layer.post_norm, eps), layer))
+            if backend == "triton":
+                q, k, v = self._fused_qkv(layer, self.num_heads, x, positions)
+            else:
+                q = self._q(layer, x, positions)
+                k, v = self._kv(layer, x, positions)
+            out = self._reduce(F.linear(attend(i, q, k, v).flatten(-2), layer.o))
+            x, h = add_rms_norm(out, layer.post_norm, eps, h, backend)
+            mlp = self._reduce(swiglu_mlp(x, layer, backend))
+            if i + 1 < len(self.layers):
+                x, h = add_rms_norm(mlp, self.layers[i + 1].input_norm, eps, h, backend)
+            else:
+                h = h + mlp
         return h
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         # Row-parallel o_proj and down_proj: each rank holds a partial sum (nothing to do without TP).
         return x if self.tp is None else self.tp.all_reduce(x)
 
-    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+    def final_norm(self, hidden: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+        return add_rms_norm(hidden, self.norm, self.config.rms_norm_eps, backend=backend)[0]
 
     def compute_logits(self, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
         """float32 logits through the final norm and the target's (whole) LM head weight ``[V, H]``."""
@@ -295,7 +320,7 @@ class DFlashDrafter(nn.Module):
                       slot_mapping: torch.Tensor, backend: str) -> None:
         """Write every draft layer's K/V of the context tokens (no input_layernorm on the context)."""
         for layer, kv in zip(self.layers, layer_kv):
-            k, v = self._kv(layer, context, positions)
+            k, v = self._kv(layer, context, positions, backend)
             store_kv(k, v, kv.k_cache, kv.v_cache, slot_mapping, kv.k_scale, kv.v_scale, backend=backend)
 
     def forward_block(self, block_embeds: torch.Tensor, positions: torch.Tensor, layer_kv: Sequence[LayerKV],
@@ -306,7 +331,7 @@ class DFlashDrafter(nn.Module):
             kv = layer_kv[i]
             store_kv(k, v, kv.k_cache, kv.v_cache, meta.slot_mapping, kv.k_scale, kv.v_scale, backend=meta.backend)
             return paged_attention(q, kv.k_cache, kv.v_cache, meta, self.scale, kv.k_scale, kv.v_scale)
-        return self._decode(block_embeds, positions, attend)
+        return self._decode(block_embeds, positions, attend, meta.backend)
 
     # --- training: dense attention over the projected context ----------------------------------
     def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, target_features: torch.Tensor,

@@ -1,0 +1,110 @@
+"""The engine's GPU tests and benchmarks in one go (issue 12), sized for one call on the H200 machine (torch only:
+no Ray, no NIXL), printing one table at the end:
+
+    python3 benchmarks/gpu_suite.py --out out/gpu_suite                          # ~7 min on one H200
+    .venv/bin/python benchmarks/gpu_suite.py --device cpu --out out/gpu_suite    # the same steps, small, on CPU
+
+Each step runs in a process of its own under a time limit, its whole output kept in ``--out``:
+
+1. ``tests``: the kernel and graph tests on the device (attention, fused layer kernels, CUDA graphs' padding);
+2. ``step_check``: ``gpu_step_check.py`` (lossless greedy, one host sync a step, seeded repeats, graphs == eager);
+3. ``engine``: ``engine_bench.py``, decode steps eager and graphed against transformers and the memory floor,
+   batch 1 / 8 / 32 / 128 (Qwen3-8B shape, random bf16 weights);
+4. ``spec``: ``spec_bench.py``, the spec step against a plain one (8B-shaped random pair at batch 1 and 32) and the
+   trained demo pair's speedup over its AL;
+5. ``attention``: ``attention_check.py``, the decode kernels against their bytes floor.
+
+Exits 1 if a step failed. The Ray + NIXL service on the GPU is ``gpu_service.py`` (it needs those wheels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def steps(device: str, out: Path) -> list[tuple[str, list[str], int]]:
+    """(name, command, seconds allowed) per step; CPU runs the same scripts at small sizes."""
+    py = [sys.executable]
+    gpu = device == "cuda"
+    engine = ["--preset", "qwen3-8b", "--device", "cuda", "--prompt-len", "512", "--out-len", "32",
+              "--batches", "1,8,32,128"] if gpu else ["--preset", "tiny", "--prompt-len", "64", "--out-len", "8",
+                                                      "--batches", "1,4"]
+    big = ["--preset", "qwen3-8b", "--device", "cuda"] if gpu else ["--preset", "tiny"]
+    return [
+        ("tests", py + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_attention.py",
+                        "tests/test_layer_ops.py", "tests/test_cuda_graphs.py"], 300),
+        ("step_check", py + ["benchmarks/gpu_step_check.py", "--device", device], 200),
+        ("engine", py + ["benchmarks/engine_bench.py", *engine, "--json", str(out / "engine.json")], 200),
+        ("spec_b1", py + ["benchmarks/spec_bench.py", *big, "--num-prompts", "4", "--max-tokens", "64", "--batch", "1",
+                          "--json", str(out / "spec_b1.json")], 120),
+        ("spec_b32", py + ["benchmarks/spec_bench.py", *big, "--num-prompts", "32" if gpu else "4", "--max-tokens",
+                           "48" if gpu else "16", "--batch", "32" if gpu else "4",
+                           "--json", str(out / "spec_b32.json")], 120),
+        ("spec_demo", py + ["benchmarks/spec_bench.py", "--device", device, "--num-prompts", "16" if gpu else "2",
+                            "--max-tokens", "128" if gpu else "16", "--json", str(out / "spec_demo.json")], 120),
+        ("attention", py + ["benchmarks/attention_check.py"] + ([] if gpu else ["--cpu-smoke"]), 240),
+    ]
+
+
+def headline(name: str, out: Path) -> str:
+    """The figures a step's JSON holds, in a line ('' for steps that only print)."""
+    path = out / f"{name}.json"
+    if not path.exists():
+        lines = (out / f"{name}.log").read_text(errors="replace").splitlines()
+        if name == "step_check":
+            checks = [line for line in lines if line.startswith("| ") and not line.startswith("| check")]
+            return f"{sum('| yes' in c for c in checks)} of {len(checks)} checks passed"
+        if name == "tests":
+            return next((line.strip("= ") for line in reversed(lines) if " passed" in line or " failed" in line), "")
+        return ""
+    data = json.loads(path.read_text())
+    if name == "engine":
+        return "; ".join(f"b{r['batch']} {r['graphs']}: {r['engine_step_ms']:.2f} ms, "
+                         f"{r['floor_over_engine']:.2f} of floor" for r in data)
+    return (f"{data['base']['tokens_per_s']:.0f} -> {data['spec']['tokens_per_s']:.0f} tok/s, speedup "
+            f"{data['speedup']:.2f}, AL {data['spec']['mean_al'] or 1:.2f}, "
+            f"speedup/AL {data['speedup'] / (data['spec']['mean_al'] or 1):.2f}, greedy identical {data['lossless']}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--out", default="out/gpu_suite")
+    p.add_argument("--only", nargs="+", default=None, help="run only these steps")
+    args = p.parse_args()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+               PYTHONUNBUFFERED="1")
+    if args.device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    rows = []
+    for name, command, limit in steps(args.device, out):
+        if args.only and name not in args.only:
+            continue
+        start = time.monotonic()
+        with open(out / f"{name}.log", "w") as log:
+            try:
+                rc = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    timeout=limit).returncode
+                status = "ok" if rc == 0 else f"FAILED (exit {rc})"
+            except subprocess.TimeoutExpired:
+                status = f"FAILED (over {limit} s)"
+        rows.append((name, status, time.monotonic() - start, headline(name, out)))
+        print(f"{name}: {status} in {rows[-1][2]:.0f} s (output: {out / (name + '.log')})", flush=True)
+    print(f"\n| step | status | seconds | headline (whole output in {out}) |\n|---|---|---|---|")
+    for name, status, seconds, line in rows:
+        print(f"| {name} | {status} | {seconds:.0f} | {line} |")
+    return 0 if all(status == "ok" for _, status, _, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Triton kernels that fuse a decoder layer's elementwise work, so a decode step launches ~11 kernels a layer
+instead of ~60 (each torch op is a launch; inside a CUDA graph the launches are cheap, but each still costs a
+few microseconds of an idle GPU between tiny kernels):
+
+- ``rms_norm``: one program per row; with ``residual`` it first adds it (the residual stream's add) and returns
+  the sum too, rounded to the stream's dtype as torch's add would round it.
+- ``qk_norm_rope``: per token and head of the fused qkv projection, Qwen3's per-head RMSNorm of q and k and
+  rotate-half RoPE at the token's position, written to q and k; v stays a view of qkv.
+- ``silu_mul``: SwiGLU's ``silu(gate) * up`` over the fused gate_up projection.
+
+Numerics follow the torch reference (``engine.model``) in float32 and round to the activation dtype where it
+does after the norm; RoPE and SwiGLU round once instead of after every op (bf16 results within one ulp). The
+same source runs under TRITON_INTERPRET=1 on CPU, whose bf16 downcast truncates: results round to the bf16 grid
+in fp32 first (as in ``engine.triton_attention``), so the final cast is exact on both.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.triton_attention import _round_to_bf16_grid
+
+_ROUNDING = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _rounding(dtype: torch.dtype) -> str:
+    if dtype not in _ROUNDING:
+        raise ValueError(f"fused layer kernels take float32, bfloat16 or float16 activations, got {dtype}")
+    return _ROUNDING[dtype]
+
+
+@triton.jit
+def _round(x, ROUND: tl.constexpr):
+    """fp32 x rounded to the activation dtype's grid (kept in fp32)."""
+    if ROUND == "bf16":
+        return _round_to_bf16_grid(x)
+    elif ROUND == "fp16":
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, x_stride, res_stride, out_stride, sum_stride,
+                     n, eps, HAS_RESIDUAL: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x = _round(x + tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0).to(tl.float32), ROUND)
+        tl.store(sum_ptr + row * sum_stride + cols, x.to(sum_ptr.dtype.element_ty), mask=mask)
+    inv = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = _round(w * _round(x * inv, ROUND), ROUND)
+    tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(rms_norm(x + residual), x + residual)`` over the last dim (``(rms_norm(x), None)`` without a residual).
+    Rows may be strided; the last dim must be contiguous."""
+    n = x.shape[-1]
+    rows = x.reshape(-1, n)
+    if rows.stride(-1) != 1 or weight.shape != (n,):
+        raise ValueError(f"rms_norm needs a contiguous last dim and a weight of ({n},), got strides {x.stride()} "
+                         f"and weight {tuple(weight.shape)}")
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    total = None
+    if residual is not None:
+        res = residual.reshape(-1, n)
+        total = torch.empty_like(out)
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](
+            rows, res if residual is not None else rows, weight, out, total if total is not None else out,
+            rows.stride(0), res.stride(0) if residual is not None else 0, out.stride(0),
+            total.stride(0) if total is not None else 0, n, float(eps),
+            HAS_RESIDUAL=residual is not None, ROUND=_rounding(x.dtype), BLOCK=triton.next_power_of_2(n),
+            num_warps=8 if n >= 2048 else 4)
+    return out.view(x.shape), None if total is None else total.view(x.shape)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(qkv_ptr, q_ptr, k_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr,
+                         qkv_stride, q_stride, k_stride, cos_stride, eps,
+                         NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROUND: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs = tl.arange(0, HALF)
+    src = qkv_ptr + token * qkv_stride + head * HEAD_DIM
+    x1 = tl.load(src + offs).to(tl.float32)
+    x2 = tl.load(src + HALF + offs).to(tl.float32)
+    if head < NUM_Q_HEADS:
+        w_ptr = q_norm_ptr
+        dst = q_ptr + token * q_stride + head * HEAD_DIM
+    else:
+        w_ptr = k_norm_ptr
+        dst = k_ptr + token * k_stride + (head - NUM_Q_HEADS) * HEAD_DIM
+    inv = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
+    y1 = _round(tl.load(w_ptr + offs).to(tl.float32) * _round(x1 * inv, ROUND), ROUND)
+    y2 = _round(tl.load(w_ptr + HALF + offs).to(tl.float32) * _round(x2 * inv, ROUND), ROUND)
+    pos = tl.load(pos_ptr + token)
+    # The tables hold [freqs, freqs]: both halves rotate by the first half's angles.
+    cos = tl.load(cos_ptr + pos * cos_stride + offs).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * cos_stride + offs).to(tl.float32)
+    tl.store(dst + offs, _round(y1 * cos - y2 * sin, ROUND).to(q_ptr.dtype.element_ty))
+    tl.store(dst + HALF + offs, _round(y2 * cos + y1 * sin, ROUND).to(q_ptr.dtype.element_ty))
+
+
+def qk_norm_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, q_norm: torch.Tensor,
+                 k_norm: torch.Tensor, eps: float, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` normed per head and rotated at ``positions``, and v ``[T, Hkv, D]``
+    (a view), from the fused projection ``qkv`` ``[T, (Hq + 2 Hkv) * D]``."""
+    tokens = qkv.shape[0]
+    if qkv.stride(-1) != 1 or qkv.shape[-1] != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"qkv must be [T, {(num_heads + 2 * num_kv_heads) * head_dim}] with a contiguous last "
+                         f"dim, got {tuple(qkv.shape)} strides {qkv.stride()}")
+    if head_dim % 2 or head_dim & (head_dim - 1) or cos.stride(-1) != 1 or cos.stride() != sin.stride():
+        raise ValueError(f"qk_norm_rope needs a power-of-two head dim and contiguous cos/sin tables of one "
+                         f"layout, got head dim {head_dim}")
+    q = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((tokens, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].unflatten(-1, (num_kv_heads, head_dim))
+    if tokens:
+        _qk_norm_rope_kernel[(tokens, num_heads + num_kv_heads)](
+            qkv, q, k, q_norm, k_norm, cos, sin, positions, qkv.stride(0), q.stride(0), k.stride(0), cos.stride(0),
+            float(eps), NUM_Q_HEADS=num_heads, HEAD_DIM=head_dim, ROUND=_rounding(qkv.dtype),
+            num_warps=1 if head_dim <= 128 else 2)
+    return q, k, v
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, n, ROUND: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_stride + n + cols, mask=mask, other=0.0).to(tl.float32)
+    y = _round(gate / (1.0 + tl.exp(-gate)) * up, ROUND)
+    tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up`` ``[..., 2 I]`` (gate first) -> ``[..., I]``."""
+    n = gate_up.shape[-1] // 2
+    rows = gate_up.reshape(-1, 2 * n)
+    if rows.stride(-1) != 1:
+        raise ValueError(f"silu_mul needs a contiguous last dim, got strides {gate_up.stride()}")
+    out = torch.empty((rows.shape[0], n), dtype=gate_up.dtype, device=gate_up.device)
+    block = min(triton.next_power_of_2(n), 1024)
+    if rows.shape[0]:
+        _silu_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](
+            rows, out, rows.stride(0), out.stride(0), n, ROUND=_rounding(gate_up.dtype), BLOCK=block, num_warps=4)
+    return out.view(*gate_up.shape[:-1], n)

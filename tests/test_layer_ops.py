@@ -1,0 +1,100 @@
+"""The fused Triton layer kernels (``engine.triton_ops``) against the torch reference ops they replace, and a
+Triton-backend engine against the torch one (on CPU under TRITON_INTERPRET=1, set by ``scripts/test``)."""
+
+import os
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.model import add_rms_norm, apply_rope, rms_norm, rope_table
+from spec_decode import LLM as SpecLLM
+from tests import checkpoints
+
+pytestmark = pytest.mark.triton
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+# float32 matches the reference to rounding; bf16 results may differ by one bf16 ulp (2**-8 relative), where
+# the reference rounds after every op and the kernels once.
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
+
+
+def ops():
+    from engine import triton_ops
+
+    return triton_ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_with_and_without_the_residual_add(dtype):
+    g = torch.Generator().manual_seed(0)
+    # Rows strided (every other row of a wider buffer) and a width that is not a power of two.
+    wide = torch.randn(6, 2, 96, generator=g).to(dtype).to(DEVICE)
+    x = wide[:, 0]
+    residual = (4 * torch.randn(6, 96, generator=g)).to(dtype).to(DEVICE)
+    weight = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype).to(DEVICE)
+    out, none = ops().rms_norm(x, weight, 1e-6)
+    assert none is None
+    torch.testing.assert_close(out, rms_norm(x, weight, 1e-6), **TOLERANCE[dtype])
+    normed, total = ops().rms_norm(x, weight, 1e-6, residual)
+    want_normed, want_total = add_rms_norm(x, weight, 1e-6, residual)
+    assert torch.equal(total, want_total)           # the residual stream's sum rounds exactly as torch's add
+    torch.testing.assert_close(normed, want_normed, **TOLERANCE[dtype])
+    assert not torch.equal(normed, ops().rms_norm(x, weight, 1e-6)[0])    # the residual was added
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_rope_equals_the_per_head_norm_and_rotate_half(dtype):
+    heads, kv_heads, dim, tokens = 4, 2, 16, 5
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype).to(DEVICE)
+    q_norm = (1 + 0.2 * torch.randn(dim, generator=g)).to(dtype).to(DEVICE)
+    k_norm = (1 - 0.2 * torch.randn(dim, generator=g)).to(dtype).to(DEVICE)
+    cos, sin = (t.to(dtype).to(DEVICE) for t in rope_table(dim, 10000.0, 64, DEVICE))
+    positions = torch.tensor([0, 7, 8, 63, 31], device=DEVICE)
+    q, k, v = ops().qk_norm_rope(qkv, heads, kv_heads, dim, q_norm, k_norm, 1e-6, positions, cos, sin)
+    want_q = apply_rope(rms_norm(qkv[:, :heads * dim].unflatten(-1, (heads, dim)), q_norm, 1e-6), positions, cos, sin)
+    k_part = qkv[:, heads * dim:(heads + kv_heads) * dim].unflatten(-1, (kv_heads, dim))
+    want_k = apply_rope(rms_norm(k_part, k_norm, 1e-6), positions, cos, sin)
+    torch.testing.assert_close(q, want_q, **TOLERANCE[dtype])
+    torch.testing.assert_close(k, want_k, **TOLERANCE[dtype])
+    assert torch.equal(v, qkv[:, (heads + kv_heads) * dim:].unflatten(-1, (kv_heads, dim)))
+    # Position 0 does not rotate: q there is the normed q itself (a kernel rotating at the wrong row would not be).
+    torch.testing.assert_close(q[0], rms_norm(qkv[0, :heads * dim].view(heads, dim), q_norm, 1e-6),
+                               **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_over_the_fused_gate_up(dtype):
+    g = torch.Generator().manual_seed(2)
+    gate_up = (3 * torch.randn(3, 2 * 1100, generator=g)).to(dtype).to(DEVICE)   # two column blocks, a ragged tail
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops().silu_mul(gate_up), torch.nn.functional.silu(gate) * up, **TOLERANCE[dtype])
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        ops().rms_norm(torch.randn(4, 8).t(), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="qkv must be"):
+        ops().qk_norm_rope(torch.randn(2, 10), 1, 1, 4, torch.ones(4), torch.ones(4), 1e-6, torch.zeros(2).long(),
+                           torch.ones(8, 4), torch.ones(8, 4))
+    with pytest.raises(ValueError, match="activations"):
+        ops().silu_mul(torch.zeros(2, 4, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("drafted", [False, True])
+def test_a_triton_engine_decodes_the_torch_engine_tokens(tmp_path, drafted):
+    """The whole forward through the fused kernels (norms with the residual add, q/k norm and RoPE, SwiGLU, the
+    final norm; with the drafter also its context stores and blocks) and Triton attention gives the torch path's
+    greedy tokens and per-step acceptance lengths, float32."""
+    target = checkpoints.write_tiny_qwen3(tmp_path / "target")
+    kwargs = dict(device=DEVICE, page_size=8)
+    if drafted:
+        kwargs["draft"] = str(checkpoints.write_tiny_drafter(tmp_path / "drafter", num_layers=2, block_size=4))
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [40, 41], list(range(60, 80))]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    got = {}
+    for backend in ("torch", "triton"):
+        outs = SpecLLM(str(target), attention_backend=backend, **kwargs).generate(prompts, params)
+        got[backend] = [(o.token_ids, o.acceptance_lengths) for o in outs]
+    assert got["triton"] == got["torch"]
+    assert all(len(tokens) == 6 for tokens, _ in got["triton"])
