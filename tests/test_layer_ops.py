@@ -2,6 +2,7 @@
 Triton-backend engine against the torch one (on CPU under TRITON_INTERPRET=1, set by ``scripts/test``)."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,8 @@ from engine import SamplingParams
 from engine.model import add_rms_norm, apply_rope, rms_norm, rope_table
 from spec_decode import LLM as SpecLLM
 from tests import checkpoints
+
+DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
 
 pytestmark = pytest.mark.triton
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
@@ -81,20 +84,29 @@ def test_bad_inputs_are_refused():
         ops().silu_mul(torch.zeros(2, 4, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("drafted", [False, True])
-def test_a_triton_engine_decodes_the_torch_engine_tokens(tmp_path, drafted):
-    """The whole forward through the fused kernels (norms with the residual add, q/k norm and RoPE, SwiGLU, the
-    final norm; with the drafter also its context stores and blocks) and Triton attention gives the torch path's
-    greedy tokens and per-step acceptance lengths, float32."""
+def test_a_triton_engine_decodes_the_torch_engine_tokens(tmp_path):
+    """The target's forward through the fused kernels (norms with the residual add, q/k norm and RoPE, SwiGLU, the
+    final norm) and Triton attention gives the torch path's greedy tokens, float32."""
     target = checkpoints.write_tiny_qwen3(tmp_path / "target")
-    kwargs = dict(device=DEVICE, page_size=8)
-    if drafted:
-        kwargs["draft"] = str(checkpoints.write_tiny_drafter(tmp_path / "drafter", num_layers=2, block_size=4))
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [40, 41], list(range(60, 80))]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
+    got = {backend: [o.token_ids for o in SpecLLM(str(target), device=DEVICE, page_size=8,
+                                                   attention_backend=backend).generate(prompts, params)]
+           for backend in ("torch", "triton")}
+    assert got["triton"] == got["torch"]
+    assert all(len(tokens) == 6 for tokens in got["triton"])
+
+
+def test_the_drafter_through_the_fused_kernels_drafts_what_the_torch_drafter_drafts():
+    """The demo pair, whose drafter is trained (a random one accepts nothing, so a wrong draft would go unseen):
+    the drafter's blocks and context stores through the fused kernels give the torch path's per-step acceptance
+    lengths, and the tokens, float32."""
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
     got = {}
     for backend in ("torch", "triton"):
-        outs = SpecLLM(str(target), attention_backend=backend, **kwargs).generate(prompts, params)
-        got[backend] = [(o.token_ids, o.acceptance_lengths) for o in outs]
+        llm = SpecLLM(str(DEMO / "target"), draft=str(DEMO / "drafter"), device=DEVICE, page_size=16,
+                      attention_backend=backend)
+        out = llm.generate(["import os\nimport sys\n"], params)[0]
+        got[backend] = (out.token_ids, out.acceptance_lengths)
     assert got["triton"] == got["torch"]
-    assert all(len(tokens) == 6 for tokens, _ in got["triton"])
+    assert max(got["torch"][1]) > 2        # the drafts were accepted: the comparison covers drafting
