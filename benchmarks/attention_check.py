@@ -332,17 +332,20 @@ def sweep(attention, ta, shapes, bench, bandwidth, device, torch):
     print("\n# decode sweeps, page 16 (us per layer; floor at measured copy bandwidth)")
     tilings = {torch.bfloat16: ((32, 4, 3), (64, 4, 2), (64, 8, 3), (128, 8, 3)),
                attention.FP8_DTYPE: ((64, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 3))}
-    for contexts, splits in (([4096] * 32, (1, 2, 4)), ([4096], (8, 16, 32, 64))):
+    # Page ids a tile ahead and 4 programs per multiprocessor, apart and together (the defaults: neither).
+    loops = (dict(prefetch_pages=True), dict(programs_per_multiprocessor=4),
+             dict(prefetch_pages=True, programs_per_multiprocessor=4))
+    for contexts, splits in (([4096] * 32, (1, 2, 4)), ([4096], (8, 16, 32, 64)), ([1024] * 128, ())):
         for cache_dtype in (attention.FP8_DTYPE, torch.bfloat16):
             case = decode_case(attention, shapes, contexts, 16, cache_dtype, device)
             floor = (case.kv_bytes() + case.query.numel() * case.query.element_size()) / bandwidth * 1e6
             variants = [dict(block_n=bn, num_warps=w, num_stages=st) for bn, w, st in tilings[cache_dtype]]
-            variants += [dict(num_splits=n) for n in splits]
+            variants += [dict(num_splits=n) for n in splits] + [dict()] + list(loops)
             for kw in variants:
                 try:
                     t = bench.graph_ms(case.all_layers(ta.decode_attention, **kw)) / case.layers * 1e3
-                    print(f"decode b{len(contexts)} ctx4k {dtype_name(attention, cache_dtype)} {kw}: {t:8.2f} us  "
-                          f"floor {floor:7.2f}  ({floor / t:5.1%})", flush=True)
+                    label = f"decode b{len(contexts)} ctx{contexts[0] // 1024}k {dtype_name(attention, cache_dtype)}"
+                    print(f"{label} {kw}: {t:8.2f} us  floor {floor:7.2f}  ({floor / t:5.1%})", flush=True)
                 except Exception as exc:
                     print(f"decode b{len(contexts)} {kw}: failed {exc!r}"[:300])
 
@@ -377,6 +380,7 @@ def print_tables(decode_rows, prefill_rows, store_rows, bandwidth, env):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes under TRITON_INTERPRET=1 on CPU")
+    parser.add_argument("--no-sweep", action="store_true", help="the checks and their table only")
     args = parser.parse_args()
     if args.cpu_smoke:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -407,7 +411,7 @@ def main():
     failed = [r["case"] for r in decode_rows + prefill_rows + store_rows if not r["ok"]]
     print(f"\n# {len(failed)} failed{': ' + ', '.join(failed) if failed else ''}; {time.time() - started:.0f}s",
           flush=True)
-    if time.time() - started < SWEEP_DEADLINE_S:
+    if not args.no_sweep and time.time() - started < SWEEP_DEADLINE_S:
         sweep(attention, ta, shapes, bench, bandwidth, device, torch)
         print(f"# total {time.time() - started:.0f}s")
     sys.exit(1 if failed else 0)

@@ -12,7 +12,8 @@ Each step runs in a process of its own under a time limit, its whole output kept
    batch 1 / 8 / 32 / 128 (Qwen3-8B shape, random bf16 weights);
 4. ``spec``: ``spec_bench.py``, the spec step against a plain one (8B-shaped random pair at batch 1 and 32) and the
    trained demo pair's speedup over its AL;
-5. ``attention``: ``attention_check.py``, the decode kernels against their bytes floor.
+5. ``attention``: ``attention_check.py --no-sweep``, the kernels against torch and the decode kernels against their
+   bytes floor (its tuning sweep, prefetching page ids among it, takes a call of its own).
 
 Exits 1 if a step failed. The Ray + NIXL service on the GPU is ``gpu_service.py`` (it needs those wheels).
 """
@@ -50,7 +51,7 @@ def steps(device: str, out: Path) -> list[tuple[str, list[str], int]]:
                            "--json", str(out / "spec_b32.json")], 120),
         ("spec_demo", py + ["benchmarks/spec_bench.py", "--device", device, "--num-prompts", "16" if gpu else "2",
                             "--max-tokens", "128" if gpu else "16", "--json", str(out / "spec_demo.json")], 120),
-        ("attention", py + ["benchmarks/attention_check.py"] + ([] if gpu else ["--cpu-smoke"]), 240),
+        ("attention", py + ["benchmarks/attention_check.py", "--no-sweep"] + ([] if gpu else ["--cpu-smoke"]), 240),
     ]
 
 

@@ -150,10 +150,32 @@ def _attend_kv_tile(
     BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     """One online-softmax step over kv positions [tile_start, tile_start + BLOCK_N); returns the new (m, l, acc)."""
+    page = _tile_pages(block_table_ptr, tile_start, kv_end, PAGE_SIZE, BLOCK_N)
+    return _attend_kv_tile_pages(
+        q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, page, kv_head, tile_start, kv_end, row_pos,
+        qk_scale_log2, stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok, stride_v_head,
+        CAUSAL, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_DTYPE,
+    )
+
+
+@triton.jit
+def _tile_pages(block_table_ptr, tile_start, kv_end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The page of each kv position of the tile at tile_start (0 past kv_end): a tile may span pages or sit in
+    one."""
+    pos = tile_start + tl.arange(0, BLOCK_N)
+    return tl.load(block_table_ptr + pos // PAGE_SIZE, mask=pos < kv_end, other=0).to(tl.int64)
+
+
+@triton.jit
+def _attend_kv_tile_pages(
+    q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, page, kv_head, tile_start, kv_end, row_pos,
+    qk_scale_log2, stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok, stride_v_head,
+    CAUSAL: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    """``_attend_kv_tile`` with the tile's pages already loaded (``_tile_pages``)."""
     pos = tile_start + tl.arange(0, BLOCK_N)
     pos_valid = pos < kv_end
-    # Page-table indirection per position, so a tile may span pages (page < BLOCK_N) or sit inside one.
-    page = tl.load(block_table_ptr + pos // PAGE_SIZE, mask=pos_valid, other=0).to(tl.int64)
     dims = tl.arange(0, BLOCK_D)
     kv_mask = _rows_mask(pos_valid, dims, HEAD_DIM, BLOCK_D)
     slot_in_page = pos % PAGE_SIZE
@@ -245,8 +267,10 @@ def _decode_split_kernel(
     stride_bt, num_q_heads, num_splits, split_len,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    PREFETCH_PAGES: tl.constexpr,
 ):
-    """Program (seq, kv head, split): one decode query's GQA group against split_len positions of its KV."""
+    """Program (seq, kv head, split): one decode query's GQA group against split_len positions of its KV.
+    ``PREFETCH_PAGES`` loads each tile's page ids one tile ahead, so that the K/V loads do not wait on them."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -272,12 +296,23 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     block_table_ptr = block_tables_ptr + seq * stride_bt
     # A lone query sits at the last position and sees every stored key, so causal and non-causal agree.
-    for tile_start in range(kv_begin, kv_end, BLOCK_N):
-        m_i, l_i, acc = _attend_kv_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, tile_start, kv_end, rows,
-            qk_scale_log2, stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok, stride_v_head,
-            False, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_DTYPE,
-        )
+    if PREFETCH_PAGES:
+        page = _tile_pages(block_table_ptr, kv_begin, kv_end, PAGE_SIZE, BLOCK_N)
+        for tile_start in range(kv_begin, kv_end, BLOCK_N):
+            next_page = _tile_pages(block_table_ptr, tile_start + BLOCK_N, kv_end, PAGE_SIZE, BLOCK_N)
+            m_i, l_i, acc = _attend_kv_tile_pages(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, page, kv_head, tile_start, kv_end, rows,
+                qk_scale_log2, stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok,
+                stride_v_head, False, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_DTYPE,
+            )
+            page = next_page
+    else:
+        for tile_start in range(kv_begin, kv_end, BLOCK_N):
+            m_i, l_i, acc = _attend_kv_tile(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, tile_start, kv_end, rows,
+                qk_scale_log2, stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok,
+                stride_v_head, False, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_DTYPE,
+            )
     # The split holds at least one key, so l_i > 0 on every row.
     out = acc * (v_scale / l_i)[:, None]
     if SINGLE_SPLIT:
@@ -344,8 +379,10 @@ def varlen_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
 
 
 def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_scale=1.0, v_scale=1.0, *,
-                     num_splits=None, block_n=None, num_warps=None, num_stages=None) -> torch.Tensor:
-    """Split-KV decode attention for batches with at most one query per sequence; tiling defaults per cache dtype."""
+                     num_splits=None, block_n=None, num_warps=None, num_stages=None, prefetch_pages=None,
+                     programs_per_multiprocessor=None) -> torch.Tensor:
+    """Split-KV decode attention for batches with at most one query per sequence; tiling defaults per cache dtype
+    (``prefetch_pages`` and ``programs_per_multiprocessor``, which sizes the default split count, too)."""
     if meta.max_query_len > 1:
         raise ValueError(f"decode_attention takes one query per sequence, got max_query_len={meta.max_query_len}")
     num_tokens, num_q_heads, head_dim = query.shape
@@ -360,7 +397,8 @@ def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
     if num_splits is None and meta.decode_split_tiles is not None:
         num_splits = triton.cdiv(num_tiles, meta.decode_split_tiles)
     elif num_splits is None:
-        num_splits = _default_num_splits(num_seqs * num_kv_heads, num_tiles, query.device)
+        num_splits = _default_num_splits(num_seqs * num_kv_heads, num_tiles, query.device,
+                                         programs_per_multiprocessor or tiling.programs_per_multiprocessor)
     tiles_per_split = triton.cdiv(num_tiles, min(num_splits, num_tiles))
     num_splits = triton.cdiv(num_tiles, tiles_per_split)  # no split may start past max_seq_len
     split_len = tiles_per_split * block_n
@@ -379,7 +417,8 @@ def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
         meta.block_tables.stride(0), num_q_heads, num_splits, split_len,
         GROUP=group, PAGE_SIZE=k_cache.shape[1], BLOCK_M=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_DTYPE=_dot_dtype(query, k_cache),
-        SINGLE_SPLIT=single, num_warps=num_warps or tiling.num_warps, num_stages=num_stages or tiling.num_stages,
+        SINGLE_SPLIT=single, PREFETCH_PAGES=tiling.prefetch_pages if prefetch_pages is None else prefetch_pages,
+        num_warps=num_warps or tiling.num_warps, num_stages=num_stages or tiling.num_stages,
     )
     if not single:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
@@ -395,22 +434,27 @@ class DecodeTiling:
     block_n: int  # KV positions per tile
     num_warps: int
     num_stages: int
+    # Page ids one tile ahead. Measured once on an H200 together with 4 programs per multiprocessor: fp8 rose from
+    # 54 to 62% of its floor at batch 32 x 4k (57 -> 71% at 128 x 4k), bf16 fell 3-12 points; not yet measured
+    # apart, so off by default (benchmarks/attention_check.py's sweep times both, and both together).
+    prefetch_pages: bool = False
+    programs_per_multiprocessor: int = 2
 
 
 # Per cache element size (bytes): 16 KB K tiles, three stages. On an H200 (Qwen3-8B heads, batch 32 x 4k) 128-row
 # fp8 tiles ran 1.3x faster than 64-row ones and 8 warps 1.6x slower than 4; bf16 was fastest at 64 rows, 4 warps.
 DECODE_TILING = {1: DecodeTiling(128, 4, 3), 2: DecodeTiling(64, 4, 3), 4: DecodeTiling(32, 4, 2)}
-PROGRAMS_PER_MULTIPROCESSOR = 2
 MIN_TILES_PER_SPLIT = 1
 
 
-def _default_num_splits(num_programs: int, num_tiles: int, device: torch.device) -> int:
+def _default_num_splits(num_programs: int, num_tiles: int, device: torch.device,
+                        programs_per_multiprocessor: int = 2) -> int:
     """A power of two of splits that gives every multiprocessor a couple of programs, each at least one tile.
 
     On an H200 (8 kv heads): batch 32 x 4k bf16 ran 98% of its floor with 2 splits, 85% with 3, 95% with 4;
     batch 8 x 4k 78% with 8 splits, 65% with 4; batch 1 x 4k fp8 was fastest with 32 one-tile splits.
     """
-    wanted = triton.next_power_of_2(triton.cdiv(PROGRAMS_PER_MULTIPROCESSOR * _multiprocessor_count(device),
+    wanted = triton.next_power_of_2(triton.cdiv(programs_per_multiprocessor * _multiprocessor_count(device),
                                                 num_programs))
     return max(1, min(wanted, num_tiles // MIN_TILES_PER_SPLIT))
 

@@ -333,6 +333,23 @@ def test_triton_decode_attention_matches_torch(query_dtype, cache_dtype, kv_scal
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("query_dtype,cache_dtype,kv_scale,tol", TRITON_DTYPES)
+@pytest.mark.parametrize("num_splits,page_size", [(1, 16), (3, 16), (20, 1)])
+def test_triton_decode_with_page_ids_loaded_a_tile_ahead(query_dtype, cache_dtype, kv_scale, tol, num_splits,
+                                                        page_size):
+    """The prefetching loop (``prefetch_pages``): the tile after a split's last one is past its end (its page ids
+    load masked), splits end mid-page and mid-tile, tiles span pages (page 1) or sit in one."""
+    from engine.triton_attention import decode_attention
+
+    meta, k_cache, v_cache, query = _triton_case(query_dtype, cache_dtype, kv_scale, page_size, DECODE_BATCH,
+                                                 num_q_heads=8)
+    kw = dict(k_scale=kv_scale, v_scale=kv_scale)
+    ref = run("torch", query, k_cache, v_cache, meta, 0.2, **kw)
+    out = decode_attention(query, k_cache, v_cache, meta, 0.2, num_splits=num_splits, prefetch_pages=True, **kw)
+    assert rel_err(out, ref) < tol
+
+
+@pytest.mark.triton
 def test_triton_dispatch_sends_decode_to_split_kernel(monkeypatch):
     """A max_query_len of 1 takes the decode kernel; its result equals the varlen kernel's on the same batch."""
     from engine import triton_attention
@@ -381,3 +398,4 @@ def test_decode_splits_fill_the_multiprocessors(monkeypatch):
     assert splits(num_programs=32 * 8, num_tiles=32, device=cpu) == 2  # batch 32: 2, not 3 (uneven, 15% slower)
     assert splits(num_programs=128 * 8, num_tiles=32, device=cpu) == 1  # batch 128 fills the GPU alone
     assert splits(num_programs=8, num_tiles=3, device=cpu) == 3  # a short context: one tile per split at most
+    assert splits(num_programs=32 * 8, num_tiles=32, device=cpu, programs_per_multiprocessor=4) == 4
