@@ -143,22 +143,6 @@ def _rows_mask(row_valid, dims, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _attend_kv_tile(
-    q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, tile_start, kv_end, row_pos,
-    qk_scale_log2, stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok, stride_v_head,
-    CAUSAL: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
-):
-    """One online-softmax step over kv positions [tile_start, tile_start + BLOCK_N); returns the new (m, l, acc)."""
-    page = _tile_pages(block_table_ptr, tile_start, kv_end, PAGE_SIZE, BLOCK_N)
-    return _attend_kv_tile_pages(
-        q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, page, kv_head, tile_start, kv_end, row_pos,
-        qk_scale_log2, stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok, stride_v_head,
-        CAUSAL, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_DTYPE,
-    )
-
-
-@triton.jit
 def _tile_pages(block_table_ptr, tile_start, kv_end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """The page of each kv position of the tile at tile_start (0 past kv_end): a tile may span pages or sit in
     one."""
@@ -167,13 +151,14 @@ def _tile_pages(block_table_ptr, tile_start, kv_end, PAGE_SIZE: tl.constexpr, BL
 
 
 @triton.jit
-def _attend_kv_tile_pages(
+def _attend_kv_tile(
     q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, page, kv_head, tile_start, kv_end, row_pos,
     qk_scale_log2, stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok, stride_v_head,
     CAUSAL: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
-    """``_attend_kv_tile`` with the tile's pages already loaded (``_tile_pages``)."""
+    """One online-softmax step over kv positions [tile_start, tile_start + BLOCK_N), whose pages ``page`` holds
+    (``_tile_pages``); returns the new (m, l, acc)."""
     pos = tile_start + tl.arange(0, BLOCK_N)
     pos_valid = pos < kv_end
     dims = tl.arange(0, BLOCK_D)
@@ -246,8 +231,9 @@ def _varlen_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     block_table_ptr = block_tables_ptr + seq * stride_bt
     for tile_start in range(0, kv_end, BLOCK_N):
+        page = _tile_pages(block_table_ptr, tile_start, kv_end, PAGE_SIZE, BLOCK_N)
         m_i, l_i, acc = _attend_kv_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, tile_start, kv_end, row_pos,
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, page, kv_head, tile_start, kv_end, row_pos,
             qk_scale_log2, stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok, stride_v_head,
             CAUSAL, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_DTYPE,
         )
@@ -298,21 +284,18 @@ def _decode_split_kernel(
     # A lone query sits at the last position and sees every stored key, so causal and non-causal agree.
     if PREFETCH_PAGES:
         page = _tile_pages(block_table_ptr, kv_begin, kv_end, PAGE_SIZE, BLOCK_N)
-        for tile_start in range(kv_begin, kv_end, BLOCK_N):
+    for tile_start in range(kv_begin, kv_end, BLOCK_N):
+        if PREFETCH_PAGES:
             next_page = _tile_pages(block_table_ptr, tile_start + BLOCK_N, kv_end, PAGE_SIZE, BLOCK_N)
-            m_i, l_i, acc = _attend_kv_tile_pages(
-                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, page, kv_head, tile_start, kv_end, rows,
-                qk_scale_log2, stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok,
-                stride_v_head, False, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_DTYPE,
-            )
+        else:
+            page = _tile_pages(block_table_ptr, tile_start, kv_end, PAGE_SIZE, BLOCK_N)
+        m_i, l_i, acc = _attend_kv_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, page, kv_head, tile_start, kv_end, rows,
+            qk_scale_log2, stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok, stride_v_head,
+            False, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_DTYPE,
+        )
+        if PREFETCH_PAGES:
             page = next_page
-    else:
-        for tile_start in range(kv_begin, kv_end, BLOCK_N):
-            m_i, l_i, acc = _attend_kv_tile(
-                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, tile_start, kv_end, rows,
-                qk_scale_log2, stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok,
-                stride_v_head, False, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_DTYPE,
-            )
     # The split holds at least one key, so l_i > 0 on every row.
     out = acc * (v_scale / l_i)[:, None]
     if SINGLE_SPLIT:
