@@ -38,7 +38,7 @@ def steps(device: str, out: Path) -> list[tuple[str, list[str], int]]:
     engine = ["--preset", "qwen3-8b", "--device", "cuda", "--prompt-len", "512", "--out-len", "32",
               "--batches", "1,8,32,128"] if gpu else ["--preset", "tiny", "--prompt-len", "64", "--out-len", "8",
                                                       "--batches", "1,4"]
-    big = ["--preset", "qwen3-8b", "--device", "cuda"] if gpu else ["--preset", "tiny"]
+    big = ["--preset", "qwen3-8b", "--device", "cuda", "--repeats", "3"] if gpu else ["--preset", "tiny"]
     return [
         ("tests", py + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_attention.py",
                         "tests/test_layer_ops.py", "tests/test_cuda_graphs.py"], 300),
@@ -49,7 +49,8 @@ def steps(device: str, out: Path) -> list[tuple[str, list[str], int]]:
         ("spec_b32", py + ["benchmarks/spec_bench.py", *big, "--num-prompts", "32" if gpu else "4", "--max-tokens",
                            "48" if gpu else "16", "--batch", "32" if gpu else "4",
                            "--json", str(out / "spec_b32.json")], 120),
-        ("spec_demo", py + ["benchmarks/spec_bench.py", "--device", device, "--num-prompts", "16" if gpu else "2",
+        ("spec_demo", py + ["benchmarks/spec_bench.py", "--device", device, "--repeats", "3" if gpu else "1",
+                            "--num-prompts", "16" if gpu else "2",
                             "--max-tokens", "128" if gpu else "16", "--json", str(out / "spec_demo.json")], 120),
         ("attention", py + ["benchmarks/attention_check.py", "--no-sweep"] + ([] if gpu else ["--cpu-smoke"]), 240),
     ]

@@ -15,7 +15,7 @@ from engine.model_runner import Row, build_metadata, layer_kv_of, pack_inputs, u
 from engine.parallel import OP_CLEAR, OP_DRAFT, OP_STORE, Message
 from engine.sampler import LogitsBlock, adjust_logits, draw, probabilities
 from engine.scheduler import ScheduledRequest
-from engine.sequence import Request
+from engine.sequence import Request, RequestStatus
 from kv.device_tables import upload
 from kv.manager import KVCacheManager
 from kv.spec import LayerOwner
@@ -47,11 +47,23 @@ class DFlashSpeculator:
         self.layer_kv = layer_kv_of(kv, LayerOwner.DRAFT, drafter.config.num_hidden_layers)
         self.tp = target.tp
         self.graphs: StepGraphs | None = None
+        # With graphs, a step's context of at most one block per request waits here (request id -> (request, start,
+        # captured rows)) and is stored by the next drafter graph, inside it: no eager launches and no metadata of
+        # its own. The rows are a view of the target forward's output, valid until its next forward, which comes
+        # after ``propose``; ``propose`` stores or drops every entry, whatever it drafts.
+        self._pending: dict[str, tuple[Request, int, torch.Tensor]] = {}
+        self._pending_source: torch.Tensor | None = None
+        self._ctx_hidden: torch.Tensor | None = None     # the graphs' static context rows [max_batch * width, n*H]
+        self._ctx_lens: torch.Tensor | None = None       # context positions per row before its block (0: none)
+        self.contexts_in_graph = 0                       # pending contexts a drafter graph stored
 
     def enable_graphs(self, max_batch: int, max_pages: int, capture: bool) -> StepGraphs:
         """Draft full blocks (``num_spec_tokens`` drafts a row) through ``StepGraphs``."""
         width = self.num_spec_tokens + 1
-        self.graphs = StepGraphs(lambda ids, positions, meta: (self._draft(ids, positions, meta, width),),
+        self._ctx_hidden = torch.zeros(max_batch * width, self.drafter.fc.shape[1], dtype=self.drafter.fc.dtype,
+                                       device=self.drafter.device)
+        self._ctx_lens = torch.zeros(max_batch, dtype=torch.int64, device=self.drafter.device)
+        self.graphs = StepGraphs(lambda ids, positions, meta: (self._store_and_draft(ids, positions, meta, width),),
                                  device=self.drafter.device, query_lens=(width,), max_batch=max_batch,
                                  max_pages=max_pages, page_size=self.kv.page_size, causal=False,
                                  backend=self.backend, capture=capture)
@@ -61,11 +73,17 @@ class DFlashSpeculator:
     def draft_logits(self, requests: Sequence[Request], num_drafts: int) -> torch.Tensor:
         """Drafter logits ``[B, num_drafts, V]`` for blocks anchored at each request's last token."""
         device = self.drafter.device
-        for r in requests:
-            if r.num_draft_context != r.num_computed_tokens or r.num_computed_tokens != r.num_tokens - 1:
-                raise RuntimeError(f"request {r.request_id}: drafter context ({r.num_draft_context}) must cover "
-                                   f"the computed history ({r.num_computed_tokens}) before drafting")
         width = num_drafts + 1
+        graphed = self.graphs is not None and self.graphs.accepts(len(requests), width)
+        pending = [self._take_pending(r) for r in requests]
+        if not graphed or any(p is not None and len(p[2]) > width for p in pending):
+            self._store_now([p for p in pending if p is not None])
+            pending = [None] * len(requests)
+        for r, p in zip(requests, pending):
+            context = r.num_draft_context + (len(p[2]) if p is not None else 0)
+            if context != r.num_computed_tokens or r.num_computed_tokens != r.num_tokens - 1:
+                raise RuntimeError(f"request {r.request_id}: drafter context ({context}) must cover "
+                                   f"the computed history ({r.num_computed_tokens}) before drafting")
         rows = [Row(r.request_id, r.num_computed_tokens, width) for r in requests]
         positions, meta = build_metadata(self.kv, self.space, rows, causal=False, backend=self.backend, device=device)
         mask = self.drafter.config.mask_token_id
@@ -73,9 +91,46 @@ class DFlashSpeculator:
         if self.tp is not None:
             ints, tensors = pack_inputs(ids, positions, meta)
             self.tp.publish(OP_DRAFT, ints + [len(requests), width], tensors)
-        if self.graphs is not None and self.graphs.accepts(len(requests), width):
-            return self.graphs.run(len(requests), width, ids, positions, meta)[0]
+        if not graphed:
+            return self._draft(ids, positions, meta, width)
+        self._stage_context(pending, width, self.graphs.padded(len(requests)))
+        logits = self.graphs.run(len(requests), width, ids, positions, meta)[0]
+        for p in pending:
+            if p is not None:
+                p[0].num_draft_context = p[1] + len(p[2])
+                self.contexts_in_graph += 1
+        return logits
+
+    def _store_and_draft(self, ids, positions, meta, width: int) -> torch.Tensor:
+        """The drafter graph's forward: store the staged context of each row (``_ctx_lens`` positions right before
+        its block, from ``_ctx_hidden``; none on padded rows), then draft the blocks."""
+        rows = ids.shape[0] // width
+        lens = self._ctx_lens[:rows, None]
+        offsets = torch.arange(width, device=ids.device)
+        valid = offsets < lens
+        at = torch.where(valid, positions.view(rows, width)[:, :1] - lens + offsets, 0)
+        page_size = self.kv.page_size
+        pages = meta.block_tables.gather(1, at // page_size).long()
+        slots = torch.where(valid, pages * page_size + at % page_size, -1)
+        self._store(self._ctx_hidden[:rows * width], at.flatten(), slots.flatten())
         return self._draft(ids, positions, meta, width)
+
+    def _stage_context(self, pending: list[tuple[Request, int, torch.Tensor] | None], width: int, size: int) -> None:
+        """Copy the pending context rows into the graph's static inputs: row j's ``width`` slots from its first
+        captured row (past its length they are masked), its length into ``_ctx_lens``; padded rows get none."""
+        source = self._pending_source
+        if source is None or all(p is None for p in pending):
+            self._ctx_lens[:size].zero_()
+            return
+        lens, index = [], []
+        for p in pending:
+            lens.append(len(p[2]) if p is not None else 0)
+            first = (p[2].storage_offset() - source.storage_offset()) // source.stride(0) if p is not None else 0
+            index += [min(first + t, len(source) - 1) for t in range(width)]
+        staged = upload(lens + index, torch.int64, self.drafter.device)
+        self._ctx_lens[:len(pending)].copy_(staged[:len(pending)])
+        self._ctx_lens[len(pending):size].zero_()
+        torch.index_select(source, 0, staged[len(pending):], out=self._ctx_hidden[:len(pending) * width])
 
     def _draft(self, ids, positions, meta, width: int) -> torch.Tensor:
         hidden = self.drafter.forward_block(self.target.embed(ids), positions, self.layer_kv, meta)
@@ -84,6 +139,14 @@ class DFlashSpeculator:
         return self.target.lm_logits(self.drafter.final_norm(hidden[:, 1:], self.backend))
 
     def propose(self, rows: Sequence[ScheduledRequest]) -> list[Proposal]:
+        try:
+            return self._propose(rows)
+        finally:
+            # Context no draft took (a row drafting nothing this step, a request preempted or ended) is stored now,
+            # before the target forward that follows overwrites the rows it is a view of.
+            self._store_now([self._take_pending(r) for r, _, _ in list(self._pending.values())])
+
+    def _propose(self, rows: Sequence[ScheduledRequest]) -> list[Proposal]:
         if not rows:
             return []
         # Rows in one step may carry fewer drafts when the token budget ran short; group by count.
@@ -118,12 +181,33 @@ class DFlashSpeculator:
         """Project the captured target hidden states and write them as drafter context K/V, all rows at once."""
         # A finished request's pages are gone, unless it holds them for a decode peer that drafts from them.
         items = [(r, start, h) for r, start, h in items if len(h) and (not r.finished or r.hold_pages)]
-        if not items:
-            return
+        if self._pending:               # not taken by a draft since the last store (never expected): store it first
+            self._store_now([self._take_pending(r) for r, _, _ in list(self._pending.values())])
         for r, start, _ in items:
             if start != r.num_draft_context:
                 raise RuntimeError(f"request {r.request_id}: drafter context ends at {r.num_draft_context}, "
                                    f"new context starts at {start}")
+        if self.graphs is not None:
+            # A running request's block waits for its next draft; a held one's context must be in its pages now.
+            later = [(r, start, h) for r, start, h in items if not r.finished and len(h) <= self.num_spec_tokens + 1]
+            self._pending_source = _rows_spanned([h for _, _, h in later])
+            self._pending = {item[0].request_id: item for item in later} if self._pending_source is not None else {}
+            items = [item for item in items if item[0].request_id not in self._pending]
+        self._store_now(items)
+
+    def _take_pending(self, r: Request) -> tuple[Request, int, torch.Tensor] | None:
+        """The request's pending context, if it still applies: a request preempted or ended since has no use
+        for it (a preempted one recomputes its context; an ended one's pages may belong to another request)."""
+        item = self._pending.pop(r.request_id, None)
+        if item is None or r.status != RequestStatus.RUNNING or item[1] != r.num_draft_context:
+            return None
+        return item
+
+    def _store_now(self, items: Sequence[tuple[Request, int, torch.Tensor] | None]) -> None:
+        """Store context rows eagerly, all requests in one forward."""
+        items = [item for item in items if item is not None]
+        if not items:
+            return
         rows = [Row(r.request_id, start, len(h)) for r, start, h in items]
         positions, meta = build_metadata(self.kv, self.space, rows, causal=False, backend=self.backend,
                                          device=self.drafter.device)
@@ -144,6 +228,7 @@ class DFlashSpeculator:
     def clear_context(self, request: Request) -> None:
         """Zero the draft layers over the request's history: the drafter context of an engine that never
         received it (the no-draft-transfer ablation)."""
+        self._pending.pop(request.request_id, None)
         table = self.kv.block_table(request.request_id, self.space)
         pages = torch.tensor(table[:-(-request.num_draft_context // self.kv.page_size)], dtype=torch.int64)
         if self.tp is not None:
@@ -168,6 +253,21 @@ class DFlashSpeculator:
             self._clear(message.tensors[0])
         else:
             raise ValueError(f"unknown step message op {message.op}")
+
+
+def _rows_spanned(slices: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One 2-D view over the rows of ``slices`` (row slices of one tensor, as the engine passes the captured
+    hidden states) from the first to the last, for a single gather; None when they are not such slices."""
+    if not slices:
+        return None
+    first = min(slices, key=lambda h: h.storage_offset())
+    stride = first.stride()
+    if any(h.dim() != 2 or h.stride() != stride or stride[1] != 1 or h.shape[1] != first.shape[1]
+           or h.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for h in slices):
+        return None
+    end = max(h.storage_offset() + len(h) * stride[0] for h in slices)
+    return first.as_strided((-(-(end - first.storage_offset()) // stride[0]), first.shape[1]), stride,
+                            first.storage_offset())
 
 
 class UnboundDFlash:
