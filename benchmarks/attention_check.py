@@ -59,7 +59,10 @@ GPU_SHAPES = Shapes(
                      ("chunk 2k after 2k", [2048], [2048], True),
                      ("mixed 512 chunk + 31 decode", [1000] + [1023 + 96 * i for i in range(31)], [512] + [1] * 31,
                       True),
-                     ("draft block16 x32 ctx2k", [2048] * 32, [16] * 32, False)),
+                     ("draft block16 x32 ctx2k", [2048] * 32, [16] * 32, False),
+                     ("verify 16 b1 ctx1k", [1024], [16], True),
+                     ("verify 16 b32 ctx1k", [1024] * 32, [16] * 32, True),
+                     ("draft block16 b1 ctx1k", [1024], [16], False)),
     store_tokens=2048, page_sizes=(16, 64), rotate_bytes=512 << 20, reps=20)
 SMOKE_SHAPES = Shapes(
     num_q_heads=4, num_kv_heads=2, head_dim=32,
@@ -262,9 +265,10 @@ def check_prefill(attention, ta, shapes, bench, device, torch, rows, tol):
                     err = rel_err(torch, out, ref)
                     ok = err < tol and not out.isnan().any().item()
                     t = bench.graph_ms(case.all_layers(triton_dispatch(attention)))
+                    t_varlen = bench.graph_ms(case.all_layers(ta.varlen_attention))
                     t_torch = bench.eager_ms(lambda: reference(attention, case))
                     rows.append(dict(case=label, ok=ok, err=err, us=t * 1e3, torch_us=t_torch * 1e3,
-                                     tflops=case.flops / (t * 1e-3) / 1e12))
+                                     varlen_us=t_varlen * 1e3, tflops=case.flops / (t * 1e-3) / 1e12))
                 except Exception:
                     traceback.print_exc()
                     rows.append(dict(case=label, ok=False, err=float("nan")))
@@ -365,12 +369,12 @@ def print_tables(decode_rows, prefill_rows, store_rows, bandwidth, env):
               f"{fmt(r.get('floor_us', math.nan), '.2f'):>9} {fmt(pct, '.1%'):>8} "
               f"{fmt(r.get('gbs', math.nan), '.0f'):>6} {fmt(r.get('varlen_us', math.nan), '.2f'):>10} "
               f"{fmt(r.get('torch_us', math.nan), '.0f'):>9}")
-    print(f"\n{'prefill / mixed / draft':40} {'ok':>3} {'rel err':>8} {'triton us':>10} {'TFLOP/s':>8} "
-          f"{'torch us':>9}")
+    print(f"\n{'prefill / mixed / draft / verify':40} {'ok':>3} {'rel err':>8} {'triton us':>10} {'TFLOP/s':>8} "
+          f"{'varlen us':>10} {'torch us':>9}")
     for r in prefill_rows:
         print(f"{r['case']:40} {'yes' if r['ok'] else 'NO':>3} {fmt(r['err'], '.1e'):>8} "
               f"{fmt(r.get('us', math.nan), '.1f'):>10} {fmt(r.get('tflops', math.nan), '.1f'):>8} "
-              f"{fmt(r.get('torch_us', math.nan), '.0f'):>9}")
+              f"{fmt(r.get('varlen_us', math.nan), '.1f'):>10} {fmt(r.get('torch_us', math.nan), '.0f'):>9}")
     print(f"\n{'store (bitwise vs torch)':40} {'ok':>3} {'bytes != torch':>15} {'!= torch on cpu':>16}")
     for r in store_rows:
         print(f"{r['case']:40} {'yes' if r['ok'] else 'NO':>3} {fmt(r['err'], '.0f'):>15} "

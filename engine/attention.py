@@ -74,9 +74,10 @@ def paged_attention(
         raise ValueError(f"query heads {query.shape[1]} are not a multiple of kv heads {k_cache.shape[2]}")
     if meta.backend == "triton":
         triton_attention = _triton()
-        # One query per sequence: split each sequence's KV over several programs, or a small batch leaves most
-        # of the GPU idle. Anything else (prefill chunks, drafter blocks, verification) takes the varlen kernel.
-        if meta.max_query_len == 1:
+        # One query or a short block per sequence (decode, verification, drafter blocks): split each sequence's
+        # KV over several programs, or a small batch leaves most of the GPU idle. Longer blocks (prefill chunks,
+        # mixed batches) take the varlen kernel.
+        if meta.max_query_len <= triton_attention.split_kv_max_query_len(query.shape[1] // k_cache.shape[2]):
             return triton_attention.decode_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
         return triton_attention.varlen_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
     if meta.backend == "torch":

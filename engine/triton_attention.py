@@ -251,12 +251,13 @@ def _decode_split_kernel(
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok, stride_v_head,
     stride_bt, num_q_heads, num_splits, split_len,
-    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
-    PREFETCH_PAGES: tl.constexpr,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
 ):
-    """Program (seq, kv head, split): one decode query's GQA group against split_len positions of its KV.
-    ``PREFETCH_PAGES`` loads each tile's page ids one tile ahead, so that the K/V loads do not wait on them."""
+    """Program (seq, kv head, split): the sequence's queries (one when decoding, a short block when verifying
+    drafts or drafting) x the GQA group against split_len positions of its KV. ``PREFETCH_PAGES`` loads each
+    tile's page ids one tile ahead, so that the K/V loads do not wait on them."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -269,19 +270,24 @@ def _decode_split_kernel(
         return  # no query (batch padding), or past the sequence's end (a ragged batch): the merge skips it
     kv_end = tl.minimum(seq_len, kv_begin + split_len)
 
-    # All GROUP query heads of the kv head are rows of one tile, so each K/V byte is read once per query.
+    # Row r is query token r // GROUP, head kv_head * GROUP + r % GROUP: all the tokens' GROUP query heads of the
+    # kv head are rows of one tile, so each K/V byte is read once per split.
     rows = tl.arange(0, BLOCK_M)
-    row_valid = rows < GROUP
-    heads = kv_head * GROUP + rows
+    row_token = rows // GROUP
+    row_valid = row_token < q_end - q_begin
+    heads = kv_head * GROUP + rows % GROUP
+    row_pos = seq_len - (q_end - q_begin) + row_token  # the token's position: causal rows see keys up to it
     dims = tl.arange(0, BLOCK_D)
     io_mask = _rows_mask(row_valid, dims, HEAD_DIM, BLOCK_D)
-    q = tl.load(q_ptr + q_begin * stride_q_t + heads[:, None] * stride_q_h + dims[None, :], mask=io_mask, other=0.0)
+    tokens = q_begin + row_token
+    q = tl.load(q_ptr + tokens[:, None] * stride_q_t + heads[:, None] * stride_q_h + dims[None, :], mask=io_mask,
+                other=0.0)
 
     m_i = tl.full([BLOCK_M], M_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     block_table_ptr = block_tables_ptr + seq * stride_bt
-    # A lone query sits at the last position and sees every stored key, so causal and non-causal agree.
+    # A lone query sits at the last position and sees every stored key, so causal and non-causal agree for it.
     if PREFETCH_PAGES:
         page = _tile_pages(block_table_ptr, kv_begin, kv_end, PAGE_SIZE, BLOCK_N)
     for tile_start in range(kv_begin, kv_end, BLOCK_N):
@@ -290,19 +296,20 @@ def _decode_split_kernel(
         else:
             page = _tile_pages(block_table_ptr, tile_start, kv_end, PAGE_SIZE, BLOCK_N)
         m_i, l_i, acc = _attend_kv_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, page, kv_head, tile_start, kv_end, rows,
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, page, kv_head, tile_start, kv_end, row_pos,
             qk_scale_log2, stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok, stride_v_head,
-            False, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_DTYPE,
+            CAUSAL, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_DTYPE,
         )
         if PREFETCH_PAGES:
             page = next_page
-    # The split holds at least one key, so l_i > 0 on every row.
-    out = acc * (v_scale / l_i)[:, None]
+    # A causal row may see no key of a late split (l = 0): its partial is 0 with no softmax mass (lse -inf).
+    out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     if SINGLE_SPLIT:
-        _store_rounded(out_ptr + q_begin * stride_o_t + heads[:, None] * stride_o_h + dims[None, :], out, 1.0, io_mask)
+        _store_rounded(out_ptr + tokens[:, None] * stride_o_t + heads[:, None] * stride_o_h + dims[None, :], out, 1.0,
+                       io_mask)
     else:
-        # Partials are [B, Hq, num_splits, D] normalised outputs plus their log2-sum-exp.
-        partial_rows = (seq * num_q_heads + heads) * num_splits + split
+        # Partials are [T, Hq, num_splits, D] normalised outputs plus their log2-sum-exp.
+        partial_rows = (tokens * num_q_heads + heads) * num_splits + split
         tl.store(partial_out_ptr + partial_rows[:, None] * BLOCK_D + dims[None, :], out, mask=io_mask)
         tl.store(partial_lse_ptr + partial_rows, m_i + tl.log2(l_i), mask=row_valid)
 
@@ -313,24 +320,24 @@ def _decode_reduce_kernel(
     stride_o_t, stride_o_h, num_q_heads, num_splits, split_len,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Program (seq, q head): merge the splits' partial outputs, weighting each by its share of the softmax mass."""
+    """Program (seq, q head): merge each of the sequence's queries' split partials, weighting each by its share of
+    the softmax mass."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_begin = tl.load(query_start_loc_ptr + seq)
     q_end = tl.load(query_start_loc_ptr + seq + 1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    if q_end == q_begin:
-        return
     splits = tl.arange(0, BLOCK_S)
     split_valid = splits < tl.cdiv(seq_len, split_len)  # the splits that hold keys
     dims = tl.arange(0, BLOCK_D)
-    partial_rows = (seq * num_q_heads + head) * num_splits + splits
-    lse = tl.load(partial_lse_ptr + partial_rows, mask=split_valid, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 always holds keys, so the max is finite
-    partial = tl.load(partial_out_ptr + partial_rows[:, None] * BLOCK_D + dims[None, :],
-                      mask=_rows_mask(split_valid, dims, HEAD_DIM, BLOCK_D), other=0.0)
-    out = tl.sum(partial * weight[:, None], axis=0) / tl.sum(weight, axis=0)
-    _store_rounded(out_ptr + q_begin * stride_o_t + head * stride_o_h + dims, out, 1.0, dims < HEAD_DIM)
+    for token in range(q_begin, q_end):
+        partial_rows = (token * num_q_heads + head) * num_splits + splits
+        lse = tl.load(partial_lse_ptr + partial_rows, mask=split_valid, other=float("-inf"))
+        weight = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 holds keys every query sees, so the max is finite
+        partial = tl.load(partial_out_ptr + partial_rows[:, None] * BLOCK_D + dims[None, :],
+                          mask=_rows_mask(split_valid, dims, HEAD_DIM, BLOCK_D), other=0.0)
+        out = tl.sum(partial * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+        _store_rounded(out_ptr + token * stride_o_t + head * stride_o_h + dims, out, 1.0, dims < HEAD_DIM)
 
 
 def varlen_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_scale=1.0, v_scale=1.0, *,
@@ -364,13 +371,16 @@ def varlen_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
 def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_scale=1.0, v_scale=1.0, *,
                      num_splits=None, block_n=None, num_warps=None, num_stages=None, prefetch_pages=None,
                      programs_per_multiprocessor=None) -> torch.Tensor:
-    """Split-KV decode attention for batches with at most one query per sequence; tiling defaults per cache dtype
-    (``prefetch_pages`` and ``programs_per_multiprocessor``, which sizes the default split count, too)."""
-    if meta.max_query_len > 1:
-        raise ValueError(f"decode_attention takes one query per sequence, got max_query_len={meta.max_query_len}")
+    """Split-KV attention for batches with short query blocks per sequence: one query (decode) or up to
+    ``split_kv_max_query_len`` (draft verification, drafter blocks; causal or not, as ``meta`` says). Tiling
+    defaults per cache dtype (``prefetch_pages`` and ``programs_per_multiprocessor``, which sizes the default
+    split count, too)."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs, num_kv_heads = meta.seq_lens.shape[0], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
+    if meta.max_query_len > split_kv_max_query_len(group):
+        raise ValueError(f"decode_attention takes up to {split_kv_max_query_len(group)} queries per sequence "
+                         f"with {group} query heads per kv head, got max_query_len={meta.max_query_len}")
     out = torch.empty_like(query)
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -388,9 +398,9 @@ def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
     single = num_splits == 1
     block_d = _block_d(head_dim)
     # Dummy 1-element partials when unused: the kernel never touches them, but it needs valid pointers.
-    partial_out = query.new_empty((1,) if single else (num_seqs, num_q_heads, num_splits, block_d),
+    partial_out = query.new_empty((1,) if single else (num_tokens, num_q_heads, num_splits, block_d),
                                   dtype=torch.float32)
-    partial_lse = query.new_empty((1,) if single else (num_seqs, num_q_heads, num_splits), dtype=torch.float32)
+    partial_lse = query.new_empty((1,) if single else (num_tokens, num_q_heads, num_splits), dtype=torch.float32)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, partial_out, partial_lse,
         meta.block_tables, meta.query_start_loc, meta.seq_lens,
@@ -398,7 +408,8 @@ def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         meta.block_tables.stride(0), num_q_heads, num_splits, split_len,
-        GROUP=group, PAGE_SIZE=k_cache.shape[1], BLOCK_M=max(16, triton.next_power_of_2(group)),
+        GROUP=group, CAUSAL=meta.causal and meta.max_query_len > 1, PAGE_SIZE=k_cache.shape[1],
+        BLOCK_M=max(16, triton.next_power_of_2(meta.max_query_len * group)),
         BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_DTYPE=_dot_dtype(query, k_cache),
         SINGLE_SPLIT=single, PREFETCH_PAGES=tiling.prefetch_pages if prefetch_pages is None else prefetch_pages,
         num_warps=num_warps or tiling.num_warps, num_stages=num_stages or tiling.num_stages,
@@ -412,21 +423,32 @@ def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
     return out
 
 
+# Query rows (tokens x GQA group) one split-KV program holds: verification blocks of 16 tokens with 4 query heads
+# per kv head fit; longer blocks (prefill chunks) go to the varlen kernel.
+SPLIT_KV_MAX_ROWS = 64
+
+
+def split_kv_max_query_len(group: int) -> int:
+    """The longest query block per sequence that ``decode_attention`` takes, with ``group`` query heads per kv head."""
+    return max(1, SPLIT_KV_MAX_ROWS // group)
+
+
 @dataclass(frozen=True)
 class DecodeTiling:
     block_n: int  # KV positions per tile
     num_warps: int
     num_stages: int
-    # Page ids one tile ahead. Measured once on an H200 together with 4 programs per multiprocessor: fp8 rose from
-    # 54 to 62% of its floor at batch 32 x 4k (57 -> 71% at 128 x 4k), bf16 fell 3-12 points; not yet measured
-    # apart, so off by default (benchmarks/attention_check.py's sweep times both, and both together).
+    # Page ids one tile ahead. Timed apart on an H200 (benchmarks/attention_check.py's sweep, Qwen3-8B heads, page
+    # 16): fp8 rose from 56 to 63% of its floor at batch 32 x 4k and from 55 to 59% at 128 x 1k; bf16 fell from 99
+    # to 81% and from 100 to 92%. So on for fp8 caches only. 4 programs per multiprocessor instead of 2 changed
+    # nothing beyond the noise for either dtype, alone or with the prefetch.
     prefetch_pages: bool = False
     programs_per_multiprocessor: int = 2
 
 
 # Per cache element size (bytes): 16 KB K tiles, three stages. On an H200 (Qwen3-8B heads, batch 32 x 4k) 128-row
 # fp8 tiles ran 1.3x faster than 64-row ones and 8 warps 1.6x slower than 4; bf16 was fastest at 64 rows, 4 warps.
-DECODE_TILING = {1: DecodeTiling(128, 4, 3), 2: DecodeTiling(64, 4, 3), 4: DecodeTiling(32, 4, 2)}
+DECODE_TILING = {1: DecodeTiling(128, 4, 3, prefetch_pages=True), 2: DecodeTiling(64, 4, 3), 4: DecodeTiling(32, 4, 2)}
 MIN_TILES_PER_SPLIT = 1
 
 

@@ -349,22 +349,54 @@ def test_triton_decode_with_page_ids_loaded_a_tile_ahead(query_dtype, cache_dtyp
     assert rel_err(out, ref) < tol
 
 
+# Verification-shaped rows (a history token plus drafts after a context), ragged, one without a query, one with a
+# block longer than its context: with many splits a causal block's early tokens see no key of the last split.
+BLOCK_BATCH = [(0, 16), (37, 5), (21, 0), (70, 16), (3, 1), (130, 9)]
+
+
 @pytest.mark.triton
-def test_triton_dispatch_sends_decode_to_split_kernel(monkeypatch):
-    """A max_query_len of 1 takes the decode kernel; its result equals the varlen kernel's on the same batch."""
+@pytest.mark.parametrize("query_dtype,cache_dtype,kv_scale,tol", TRITON_DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 3, 20])
+@pytest.mark.parametrize("causal", [True, False])
+def test_triton_split_kv_attention_of_short_blocks_matches_torch(query_dtype, cache_dtype, kv_scale, tol,
+                                                                   num_splits, causal):
+    """Blocks of up to 16 queries (verification is causal, drafter blocks are not) through the split-KV kernel,
+    a GQA group of 4 (64 rows a program), with the prefetching loop too."""
+    from engine.triton_attention import decode_attention
+
+    meta, k_cache, v_cache, query = _triton_case(query_dtype, cache_dtype, kv_scale, 16, BLOCK_BATCH, num_q_heads=8)
+    meta.causal = causal
+    kw = dict(k_scale=kv_scale, v_scale=kv_scale)
+    ref = run("torch", query, k_cache, v_cache, meta, 0.2, **kw)
+    for prefetch in (False, True):
+        out = decode_attention(query, k_cache, v_cache, meta, 0.2, num_splits=num_splits, prefetch_pages=prefetch,
+                               **kw)
+        assert not out[:int(meta.query_start_loc[-1])].isnan().any()
+        assert rel_err(out, ref) < tol
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("batch,num_q_heads", [(DECODE_BATCH, 6), (BLOCK_BATCH, 8)])
+def test_triton_dispatch_sends_short_blocks_to_split_kernel(monkeypatch, batch, num_q_heads):
+    """Decode (one query a row) and verification blocks (16 queries x a group of 4 = 64 rows) take the split-KV
+    kernel, whose result equals the varlen kernel's on the same batch; a longer block (17 x 4) goes to varlen."""
     from engine import triton_attention
     from engine.triton_attention import varlen_attention
 
     calls = []
     decode = triton_attention.decode_attention
     monkeypatch.setattr(triton_attention, "decode_attention", lambda *a, **kw: calls.append(1) or decode(*a, **kw))
-    meta, k_cache, v_cache, query = _triton_case(torch.float32, torch.float32, 1.0, 16, DECODE_BATCH)
+    meta, k_cache, v_cache, query = _triton_case(torch.float32, torch.float32, 1.0, 16, batch,
+                                                 num_q_heads=num_q_heads)
     via_dispatch = run("triton", query, k_cache, v_cache, meta, 0.2)
     assert calls == [1]
     via_varlen = varlen_attention(query, k_cache, v_cache, meta, 0.2)
     torch.testing.assert_close(via_dispatch, via_varlen, rtol=1e-5, atol=1e-5)
     ref = run("torch", query, k_cache, v_cache, meta, 0.2)
     assert rel_err(via_dispatch, ref) < 1e-5
+    longer, k_cache, v_cache, query = _triton_case(torch.float32, torch.float32, 1.0, 16, [(5, 17)], num_q_heads=8)
+    run("triton", query, k_cache, v_cache, longer, 0.2)
+    assert calls == [1]
 
 
 @pytest.mark.triton
