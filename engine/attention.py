@@ -30,8 +30,9 @@ class AttentionMetadata:
     max_seq_len: int
     causal: bool = True
     backend: str = "torch"  # "torch" | "triton"
-    # Triton decode: KV tiles per split, fixed (a CUDA graph captures max_seq_len as the whole capacity, and
-    # splits sized from it would leave a short sequence to one program); None: chosen from max_seq_len.
+    # Triton split-KV kernel: KV tiles per split, fixed (a CUDA graph captures max_seq_len as the whole capacity,
+    # and splits sized from it would leave a short sequence to one program; eager blocks of several queries take
+    # the graphs' value, so verification sums alike either way); None: chosen from max_seq_len and the batch.
     decode_split_tiles: int | None = None
 
 
@@ -74,10 +75,11 @@ def paged_attention(
         raise ValueError(f"query heads {query.shape[1]} are not a multiple of kv heads {k_cache.shape[2]}")
     if meta.backend == "triton":
         triton_attention = _triton()
-        # One query or a short block per sequence (decode, verification, drafter blocks): split each sequence's
-        # KV over several programs, or a small batch leaves most of the GPU idle. Longer blocks (prefill chunks,
-        # mixed batches) take the varlen kernel.
-        if meta.max_query_len <= triton_attention.split_kv_max_query_len(query.shape[1] // k_cache.shape[2]):
+        # One query, or a short block in a small batch, per sequence (decode; verification and drafter blocks):
+        # split each sequence's KV over several programs, or a small batch leaves most of the GPU idle. Longer
+        # blocks (prefill chunks, mixed batches) and large batches of short ones take the varlen kernel.
+        if triton_attention.prefers_split_kv(meta.max_query_len, meta.seq_lens.shape[0], query.shape[1],
+                                             k_cache.shape[2], query.device):
             return triton_attention.decode_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
         return triton_attention.varlen_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
     if meta.backend == "torch":

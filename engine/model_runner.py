@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.cuda_graphs import StepGraphs
+from engine.cuda_graphs import GRAPH_DECODE_SPLIT_TILES, StepGraphs
 from engine.model import LayerKV, Qwen3Model
 from engine.parallel import OP_TARGET, Message
 from kv.device_tables import upload
@@ -50,15 +50,19 @@ def build_metadata(kv: KVCacheManager, space: int, rows: Sequence[Row], *, causa
     positions = starts[token_row] + torch.arange(num_tokens, device=device) - query_start[token_row]
     block_tables = mirror.table[table_rows, :max(len(t) for t in tables)]
     slots = block_tables[token_row, positions // page_size].long() * page_size + positions % page_size
+    max_query_len = max(r.num_tokens for r in rows)
     meta = AttentionMetadata(
         query_start_loc=query_start.int(),
         seq_lens=(starts + lengths).int(),
         block_tables=block_tables,
         slot_mapping=slots,
-        max_query_len=max(r.num_tokens for r in rows),
+        max_query_len=max_query_len,
         max_seq_len=max(r.start + r.num_tokens for r in rows),
         causal=causal,
         backend=backend,
+        # Blocks of several queries (verification, drafting) split their keys as the graphs do, so a graphed and an
+        # eager engine verify alike, to the bit; a decode step picks its splits from the batch.
+        decode_split_tiles=GRAPH_DECODE_SPLIT_TILES if max_query_len > 1 else None,
     )
     return positions, meta
 

@@ -320,24 +320,29 @@ def _decode_reduce_kernel(
     stride_o_t, stride_o_h, num_q_heads, num_splits, split_len,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Program (seq, q head): merge each of the sequence's queries' split partials, weighting each by its share of
+    """Program (seq, q head, query of the seq): merge that query's split partials, weighting each by its share of
     the softmax mass."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    q_begin = tl.load(query_start_loc_ptr + seq)
+    token = tl.load(query_start_loc_ptr + seq) + tl.program_id(2)
     q_end = tl.load(query_start_loc_ptr + seq + 1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    if token >= q_end:
+        return
     splits = tl.arange(0, BLOCK_S)
     split_valid = splits < tl.cdiv(seq_len, split_len)  # the splits that hold keys
     dims = tl.arange(0, BLOCK_D)
-    for token in range(q_begin, q_end):
-        partial_rows = (token * num_q_heads + head) * num_splits + splits
-        lse = tl.load(partial_lse_ptr + partial_rows, mask=split_valid, other=float("-inf"))
-        weight = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 holds keys every query sees, so the max is finite
-        partial = tl.load(partial_out_ptr + partial_rows[:, None] * BLOCK_D + dims[None, :],
-                          mask=_rows_mask(split_valid, dims, HEAD_DIM, BLOCK_D), other=0.0)
-        out = tl.sum(partial * weight[:, None], axis=0) / tl.sum(weight, axis=0)
-        _store_rounded(out_ptr + token * stride_o_t + head * stride_o_h + dims, out, 1.0, dims < HEAD_DIM)
+    partial_rows = (token * num_q_heads + head) * num_splits + splits
+    lse = tl.load(partial_lse_ptr + partial_rows, mask=split_valid, other=float("-inf"))
+    # Split 0 holds keys every query of a real sequence sees, so the max is finite; a graph's padding rows (q
+    # queries over a context of one) may see none, and get 0 rather than NaN.
+    top = tl.max(lse, axis=0)
+    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
+    partial = tl.load(partial_out_ptr + partial_rows[:, None] * BLOCK_D + dims[None, :],
+                      mask=_rows_mask(split_valid, dims, HEAD_DIM, BLOCK_D), other=0.0)
+    total = tl.sum(weight, axis=0)
+    out = tl.sum(partial * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    _store_rounded(out_ptr + token * stride_o_t + head * stride_o_h + dims, out, 1.0, dims < HEAD_DIM)
 
 
 def varlen_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_scale=1.0, v_scale=1.0, *,
@@ -388,11 +393,14 @@ def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
     block_n = block_n or (16 if INTERPRET else tiling.block_n)
     num_tiles = max(1, triton.cdiv(meta.max_seq_len, block_n))
     if num_splits is None and meta.decode_split_tiles is not None:
-        num_splits = triton.cdiv(num_tiles, meta.decode_split_tiles)
-    elif num_splits is None:
-        num_splits = _default_num_splits(num_seqs * num_kv_heads, num_tiles, query.device,
-                                         programs_per_multiprocessor or tiling.programs_per_multiprocessor)
-    tiles_per_split = triton.cdiv(num_tiles, min(num_splits, num_tiles))
+        # Exactly that many tiles a split, whatever max_seq_len is: a graph (max_seq_len = the capacity) and an
+        # eager step (max_seq_len = the batch's) cut a sequence's keys at the same places, so they sum alike.
+        tiles_per_split = min(meta.decode_split_tiles, num_tiles)
+    else:
+        if num_splits is None:
+            num_splits = _default_num_splits(num_seqs * num_kv_heads, num_tiles, query.device,
+                                             programs_per_multiprocessor or tiling.programs_per_multiprocessor)
+        tiles_per_split = triton.cdiv(num_tiles, min(num_splits, num_tiles))
     num_splits = triton.cdiv(num_tiles, tiles_per_split)  # no split may start past max_seq_len
     split_len = tiles_per_split * block_n
     single = num_splits == 1
@@ -415,7 +423,7 @@ def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
         num_warps=num_warps or tiling.num_warps, num_stages=num_stages or tiling.num_stages,
     )
     if not single:
-        _decode_reduce_kernel[(num_seqs, num_q_heads)](
+        _decode_reduce_kernel[(num_seqs, num_q_heads, meta.max_query_len)](
             partial_out, partial_lse, out, meta.query_start_loc, meta.seq_lens,
             out.stride(0), out.stride(1), num_q_heads, num_splits, split_len,
             HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
@@ -431,6 +439,28 @@ SPLIT_KV_MAX_ROWS = 64
 def split_kv_max_query_len(group: int) -> int:
     """The longest query block per sequence that ``decode_attention`` takes, with ``group`` query heads per kv head."""
     return max(1, SPLIT_KV_MAX_ROWS // group)
+
+
+def prefers_split_kv(max_query_len: int, num_seqs: int, num_q_heads: int, num_kv_heads: int,
+                     device: torch.device) -> bool:
+    """Whether a batch goes to the split-KV kernel rather than the varlen one: every decode batch; blocks of a few
+    queries (verification, drafter blocks) when the varlen kernel's one program per sequence and kv head would
+    leave multiprocessors idle (on an H200 at batch 1 a verification block took 27 us split, 32 us varlen; at
+    batch 32, where varlen fills the GPU, 73 against 54)."""
+    if max_query_len == 1:
+        return True
+    # Judged on the batch a CUDA graph pads it to, so that an eager step and a graphed one of the same rows take
+    # the same kernel.
+    return (max_query_len <= split_kv_max_query_len(num_q_heads // num_kv_heads)
+            and graph_batch(num_seqs) * num_kv_heads < _multiprocessor_count(device))
+
+
+def graph_batch(num_seqs: int) -> int:
+    """The batch a CUDA graph pads ``num_seqs`` rows to (``engine.cuda_graphs.capture_sizes``' ladder: 1, 2, 4, 8,
+    then multiples of 8; the largest size, ``max_num_seqs``, may be off the ladder)."""
+    if num_seqs <= 2:
+        return num_seqs
+    return triton.next_power_of_2(num_seqs) if num_seqs <= 8 else triton.cdiv(num_seqs, 8) * 8
 
 
 @dataclass(frozen=True)
@@ -465,6 +495,7 @@ def _default_num_splits(num_programs: int, num_tiles: int, device: torch.device,
 
 
 @functools.cache
+@functools.lru_cache(maxsize=None)
 def _multiprocessor_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count

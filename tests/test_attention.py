@@ -24,6 +24,7 @@ from engine.attention import (  # noqa: E402
     quantize_for_cache,
     store_kv,
 )
+from engine.cuda_graphs import capture_sizes  # noqa: E402
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 HEAD_DIM = 32
@@ -373,16 +374,24 @@ def test_triton_split_kv_attention_of_short_blocks_matches_torch(query_dtype, ca
                                **kw)
         assert not out[:int(meta.query_start_loc[-1])].isnan().any()
         assert rel_err(out, ref) < tol
+    # A CUDA graph's padding row: 16 queries over a context of one token (its causal rows but the first see no
+    # key). Its output is finite (a graph's capture compares all rows) and the other rows keep theirs.
+    meta.seq_lens[0] = 1
+    out = decode_attention(query, k_cache, v_cache, meta, 0.2, num_splits=num_splits, **kw)
+    assert out[:16].isfinite().all()
+    assert rel_err(out[16:], ref[16:]) < tol
 
 
 @pytest.mark.triton
 @pytest.mark.parametrize("batch,num_q_heads", [(DECODE_BATCH, 6), (BLOCK_BATCH, 8)])
 def test_triton_dispatch_sends_short_blocks_to_split_kernel(monkeypatch, batch, num_q_heads):
-    """Decode (one query a row) and verification blocks (16 queries x a group of 4 = 64 rows) take the split-KV
-    kernel, whose result equals the varlen kernel's on the same batch; a longer block (17 x 4) goes to varlen."""
+    """Decode (one query a row) and, in a batch that leaves an H200's multiprocessors idle, verification blocks
+    (16 queries x a group of 4 = 64 rows) take the split-KV kernel, whose result equals the varlen kernel's on the
+    same batch; a longer block (17 x 4) goes to varlen."""
     from engine import triton_attention
     from engine.triton_attention import varlen_attention
 
+    monkeypatch.setattr(triton_attention, "_multiprocessor_count", lambda device: 132)
     calls = []
     decode = triton_attention.decode_attention
     monkeypatch.setattr(triton_attention, "decode_attention", lambda *a, **kw: calls.append(1) or decode(*a, **kw))
@@ -397,6 +406,58 @@ def test_triton_dispatch_sends_short_blocks_to_split_kernel(monkeypatch, batch, 
     longer, k_cache, v_cache, query = _triton_case(torch.float32, torch.float32, 1.0, 16, [(5, 17)], num_q_heads=8)
     run("triton", query, k_cache, v_cache, longer, 0.2)
     assert calls == [1]
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("causal", [True, False])
+def test_fixed_tiles_per_split_sum_alike_whatever_the_longest_sequence(causal):
+    """A CUDA graph's metadata has max_seq_len = the whole capacity, an eager step's the batch's longest sequence;
+    with decode_split_tiles both cut each sequence's keys every that many tiles, so the results are bit-identical
+    (an engine's graphed and eager verification agree to the bit). Here the eager batch is 5 tiles long: split
+    into even shares instead it would cut at 3 tiles."""
+    from engine.triton_attention import decode_attention
+
+    meta, k_cache, v_cache, query = _triton_case(torch.float32, torch.float32, 1.0, 16, [(64, 16), (20, 9), (3, 1)],
+                                                 num_q_heads=8)
+    meta.causal, meta.decode_split_tiles = causal, 4
+    eager = decode_attention(query, k_cache, v_cache, meta, 0.2)
+    assert rel_err(eager, run("torch", query, k_cache, v_cache, meta, 0.2)) < 1e-5
+    meta.max_seq_len = 64 * 16                         # a graph's: the block table's capacity
+    graphed = decode_attention(query, k_cache, v_cache, meta, 0.2)
+    assert torch.equal(eager, graphed)
+
+
+def test_eager_blocks_of_several_queries_split_keys_as_the_graphs_do():
+    from engine.cuda_graphs import GRAPH_DECODE_SPLIT_TILES
+    from engine.model_runner import Row, build_metadata
+    from kv.manager import KVCacheManager
+    from kv.pool import KVPool
+    from kv.spec import KVLayerSpec, LayerOwner
+
+    kv = KVCacheManager([KVPool([KVLayerSpec(LayerOwner.TARGET, 0, torch.float32, 2, 8)], 4, 8)])
+    assert kv.allocate_slots("a", 12)
+    for q, tiles in ((1, None), (5, GRAPH_DECODE_SPLIT_TILES)):
+        _, meta = build_metadata(kv, 0, [Row("a", 12 - q, q)], causal=True, backend="triton", device="cpu")
+        assert meta.decode_split_tiles == tiles
+
+
+def test_short_blocks_take_the_split_kernel_only_while_the_varlen_grid_leaves_multiprocessors_idle(monkeypatch):
+    from engine import triton_attention
+
+    monkeypatch.setattr(triton_attention, "_multiprocessor_count", lambda device: 132)
+    prefers = triton_attention.prefers_split_kv
+    cpu = torch.device("cpu")
+    # Qwen3-8B heads (32 query, 8 kv): verification of 16 tokens at batch 1 and 8 splits, at 32 (256 programs) not.
+    assert prefers(16, 1, 32, 8, cpu) and prefers(16, 8, 32, 8, cpu) and not prefers(16, 32, 32, 8, cpu)
+    assert prefers(1, 128, 32, 8, cpu)                       # decode always
+    assert not prefers(17, 1, 32, 8, cpu)                    # 17 x 4 rows exceed a program
+    assert prefers(32, 1, 4, 2, cpu) and not prefers(33, 1, 4, 2, cpu)     # the demo pair's group of 2
+    # Judged on the graph's padded batch: 9 rows pad to 16 (128 programs), 17 to 24 (192); 64 x 2 kv heads fit, 65
+    # (72 padded) do not, as in the graphed step.
+    assert prefers(16, 9, 32, 8, cpu) and not prefers(16, 17, 32, 8, cpu)
+    assert prefers(16, 64, 4, 2, cpu) and not prefers(16, 65, 4, 2, cpu)
+    ladder = capture_sizes(256)
+    assert all(triton_attention.graph_batch(n) == next(s for s in ladder if s >= n) for n in range(1, 257))
 
 
 @pytest.mark.triton

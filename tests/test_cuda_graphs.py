@@ -139,3 +139,4 @@ def test_the_drafter_graph_stores_the_verified_context_as_the_eager_store_does()
     assert max(al for _, als in eager.values() for al in als) > 2          # drafts were accepted: drafting is covered
     assert engine.speculator.contexts_in_graph > 10                # the graph did store the context
     assert not engine.speculator._pending and engine.kv.pages_in_use() == 0
+
