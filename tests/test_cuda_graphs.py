@@ -140,3 +140,33 @@ def test_the_drafter_graph_stores_the_verified_context_as_the_eager_store_does()
     assert engine.speculator.contexts_in_graph > 10                # the graph did store the context
     assert not engine.speculator._pending and engine.kv.pages_in_use() == 0
 
+
+
+def test_the_deferred_context_survives_short_budgets_and_preemption():
+    """The graphs' deferred context store when steps are not uniform: a token budget of 20 leaves some rows fewer
+    drafts (drafted eagerly, the pending context stored first) or none (stored before the target forward), and
+    20 pages of 4 tokens for four growing requests preempt some (their pending context dropped; recomputed
+    later). Demo pair: tokens and per-step acceptance equal the eager engine's; no page is left."""
+    demo = Path(__file__).resolve().parents[1] / "models" / "demo"
+    prompts = ["import os\n", "def add(a, b):\n", "class Stack:\n", "for i in range(10):\n"]
+
+    def generate(graphed):
+        llm = LLM(str(demo / "target"), draft=str(demo / "drafter"), page_size=4, num_pages=20, max_num_seqs=4,
+                  max_num_batched_tokens=20, enable_prefix_caching=False)
+        if graphed:
+            llm.engine.enable_cuda_graphs(capture=False)
+        reqs = [llm.engine.add_request(llm.engine.tokenizer.encode(prompt),
+                                       SamplingParams(max_tokens=20, ignore_eos=True), request_id=str(i))
+                for i, prompt in enumerate(prompts)]
+        done = {}
+        while llm.engine.has_unfinished():
+            done.update((o.request_id, (o.token_ids, o.acceptance_lengths)) for o in llm.engine.step() if o.finished)
+        return done, llm.engine, reqs
+
+    eager, _, _ = generate(False)
+    graphed, engine, reqs = generate(True)
+    assert graphed == eager and len(eager) == 4
+    assert sum(r.num_preemptions for r in reqs) > 0                             # the pool did run short
+    stats = engine.spec_stats
+    assert stats.num_draft_tokens < stats.num_drafts * engine.speculator.num_spec_tokens    # and the budget
+    assert engine.speculator.contexts_in_graph > 0 and engine.kv.pages_in_use() == 0
