@@ -4,8 +4,10 @@ CPU:  python benchmarks/engine_bench.py --preset tiny
 GPU:  python benchmarks/engine_bench.py --preset qwen3-8b --device cuda --batches 1,8,32,128   (random bf16 weights)
 
 Prints prefill and decode tokens/s per batch for both, their ratio, and the decode step time against the floor
-of reading the weights and the KV once at the copy bandwidth measured here. On CUDA the engine runs twice per
-batch, eager (``cuda_graphs: off``) and graphed (``on``), side by side; ``--profile`` then prints, for the graphed
+of reading the weights and the KV once at the copy bandwidth measured here. ``--modes`` lists engines to run side
+by side as ``graphs/overlap`` pairs (``cuda_graphs`` and ``overlap`` settings); on CUDA by default eager, graphed,
+and graphed with the decode steps launched ahead of the host (``off/off,on/off,on/on``); with ``--repeats N``
+they take turns N times per batch and the step time is the median. ``--profile`` then prints, for the last mode's
 decode step, the kernels a step launches, the GPU's busy time against the step's wall time, and the top kernels.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -129,11 +132,15 @@ def main():
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--json", default=None)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (both engines)")
-    ap.add_argument("--graphs", default=None, help="cuda_graphs modes to run side by side (default: off,on on CUDA)")
+    ap.add_argument("--modes", default=None,
+                    help="graphs/overlap pairs to run side by side (default: off/off,on/off,on/on on CUDA, "
+                         "off/off,off/on on CPU)")
+    ap.add_argument("--repeats", type=int, default=1, help="passes per batch, the modes taking turns; medians")
     ap.add_argument("--profile", action="store_true", help="profile the last mode's decode step at each batch")
     args = ap.parse_args()
     device = torch.device(args.device)
-    modes = (args.graphs or ("off,on" if device.type == "cuda" else "off")).split(",")
+    modes = [tuple(m.split("/")) for m in
+             (args.modes or ("off/off,on/off,on/on" if device.type == "cuda" else "off/off,off/on")).split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     torch.manual_seed(0)
@@ -151,9 +158,10 @@ def main():
         max_seqs = max(64, max(batches))
         engines = {}
         for mode in modes:
+            graphs, overlap = mode
             if device.type == "cpu":
                 engines[mode] = LLM(tmp, dtype=str(dtype).removeprefix("torch."), max_num_batched_tokens=8192,
-                                    max_num_seqs=max_seqs, page_size=16, cuda_graphs=mode).engine
+                                    max_num_seqs=max_seqs, page_size=16, cuda_graphs=graphs, overlap=overlap).engine
             else:
                 # Share transformers' weights instead of writing 16 GB to disk.
                 cfg = Qwen3Config.from_dict({**preset, "rms_norm_eps": 1e-6, "rope_theta": 1e6})
@@ -161,7 +169,7 @@ def main():
                 engines[mode] = build_engine_from_model(
                     model, EngineConfig(model="random", device=args.device, dtype=str(dtype).removeprefix("torch."),
                                         max_num_batched_tokens=8192, max_num_seqs=max_seqs,
-                                        kv_cache_bytes=8 * 2**30, cuda_graphs=mode))
+                                        kv_cache_bytes=8 * 2**30, cuda_graphs=graphs, overlap=overlap))
         bw = copy_bandwidth(device)
         weight_bytes = sum(t.numel() * t.element_size() for t in hf.state_dict().values())
         c = preset
@@ -175,16 +183,26 @@ def main():
             # Bytes read over the copy bandwidth, which counts read + write: a copy moves twice the bytes it
             # reads, so read-only traffic streams at about that rate (half of it made the floor twice too long).
             floor = (weight_bytes + batch * ctx * kv_bytes_per_token) / bw
-            for mode, engine in engines.items():
+            for engine in engines.values():
                 # Warm-up at this batch's full shapes: the first prefill of a shape compiles kernels and grows the
                 # caching allocator, which would otherwise land in the timed prefill of whichever engine runs first.
                 # Other token ids, so that the timed prompts find nothing in the prefix cache.
                 time_engine(engine, [[(t + 1) % c["vocab_size"] for t in p] for p in prompts], 2)
-                e_prefill, e_step, steps = time_engine(engine, prompts, args.out_len)
-                row = dict(batch=batch, graphs=mode, engine_prefill_tok_s=batch * args.prompt_len / e_prefill,
+            timings = {mode: [] for mode in engines}
+            for rep in range(args.repeats):
+                for mode, engine in engines.items():
+                    # Each pass's prompts differ in their first token: no pass reuses another's prefix.
+                    timings[mode].append(time_engine(engine, [[(p[0] + 2 + rep) % c["vocab_size"]] + p[1:]
+                                                              for p in prompts], args.out_len))
+            for mode in engines:
+                e_prefill = statistics.median(t[0] for t in timings[mode])
+                e_step = statistics.median(t[1] for t in timings[mode])
+                row = dict(batch=batch, graphs=mode[0], overlap=mode[1],
+                           engine_prefill_tok_s=batch * args.prompt_len / e_prefill,
                            hf_prefill_tok_s=batch * args.prompt_len / h_prefill,
                            engine_decode_tok_s=batch / e_step, hf_decode_tok_s=batch / h_step,
-                           engine_step_ms=e_step * 1e3, hf_step_ms=h_step * 1e3, floor_step_ms=floor * 1e3)
+                           engine_step_ms=e_step * 1e3, hf_step_ms=h_step * 1e3, floor_step_ms=floor * 1e3,
+                           step_ms_passes=[t[1] * 1e3 for t in timings[mode]])
                 row["prefill_ratio"] = row["engine_prefill_tok_s"] / row["hf_prefill_tok_s"]
                 row["decode_ratio"] = row["engine_decode_tok_s"] / row["hf_decode_tok_s"]
                 row["floor_over_engine"] = floor / e_step
@@ -193,11 +211,13 @@ def main():
                 profile_decode(engines[modes[-1]], prompts, args.out_len)
     print(f"device {device} dtype {dtype} preset {args.preset}: weights {weight_bytes / 2**30:.2f} GiB, "
           f"copy bandwidth {bw / 1e9:.0f} GB/s (read+write)")
-    print(f"{'batch':>5} {'graphs':>6} {'prefill tok/s':>14} {'hf':>10} {'ratio':>6} {'decode tok/s':>13} {'hf':>10} "
+    print(f"{'batch':>5} {'graphs':>6} {'overlap':>7} {'prefill tok/s':>14} {'hf':>10} {'ratio':>6} "
+          f"{'decode tok/s':>13} {'hf':>10} "
           f"{'ratio':>6} "
           f"{'step ms':>8} {'hf ms':>8} {'floor ms':>9} {'floor/step':>10}")
     for r in results:
-        print(f"{r['batch']:>5} {r['graphs']:>6} {r['engine_prefill_tok_s']:>14.0f} {r['hf_prefill_tok_s']:>10.0f} "
+        print(f"{r['batch']:>5} {r['graphs']:>6} {r['overlap']:>7} {r['engine_prefill_tok_s']:>14.0f} "
+              f"{r['hf_prefill_tok_s']:>10.0f} "
               f"{r['prefill_ratio']:>6.2f} {r['engine_decode_tok_s']:>13.0f} {r['hf_decode_tok_s']:>10.0f} "
               f"{r['decode_ratio']:>6.2f} {r['engine_step_ms']:>8.2f} {r['hf_step_ms']:>8.2f} "
               f"{r['floor_step_ms']:>9.3f} {r['floor_over_engine']:>10.2f}")

@@ -15,6 +15,10 @@ per step, on the demo pair.
    padded inputs; a graphed engine (``cuda_graphs: on``) decodes the tokens and per-step AL of an eager one
    (``off``) on the same batch, float32 and bf16; and the decode steps' mean time, graphed / eager, side by side.
    Off CUDA the graphs' static padded inputs run eagerly (nothing is captured).
+5. Overlap (issue 12, item 4), target alone: with decode steps launched ahead of the host (``overlap: on``) a batch
+   of greedy and seeded rows ending at different steps (max_tokens, a stop token) decodes the tokens of the same
+   engine with ``overlap: off``, in float32 and bf16; steps did launch ahead; the syncs the debug mode sees per
+   decode step (the token read waits on an event, which it does not count: expect 0); median decode step of each.
 
 Prints a table; exits 1 when a check fails.
 """
@@ -144,6 +148,51 @@ def graphs_match_eager(device: str, prompts: list[str], max_tokens: int) -> list
     return rows
 
 
+def overlap_matches_sync(device: str, prompts: list[str], max_tokens: int) -> list[tuple[str, bool, str]]:
+    import time
+
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        runs = {}
+        for mode in ("off", "on"):
+            llm = TargetLLM(str(DEMO / "target"), device=device, dtype=dtype, overlap=mode)
+            engine = llm.engine
+            ids = [llm.tokenizer.encode(p) for p in prompts]
+            if not runs:
+                free = llm.generate(ids[:1], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+            kinds = [SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                     SamplingParams(max_tokens=max_tokens // 2, ignore_eos=True),
+                     SamplingParams(max_tokens=max_tokens, stop_token_ids=[free[5]], ignore_eos=True),
+                     SamplingParams(max_tokens=max_tokens, temperature=0.8, top_k=20, seed=3, ignore_eos=True)]
+            for i, prompt in enumerate(ids):
+                engine.add_request(prompt, kinds[i % len(kinds)], request_id=str(i))
+            done, step_s, syncs = {}, [], []
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                while engine.has_unfinished():
+                    start = time.perf_counter()
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        outs = engine.step()
+                    step_s.append(time.perf_counter() - start)
+                    syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+                    for out in outs:
+                        if out.finished:
+                            done[out.request_id] = out.token_ids
+            finally:
+                if device == "cuda":
+                    torch.cuda.set_sync_debug_mode(0)
+            decode = sorted(step_s[1:]) or [float("nan")]
+            runs[mode] = (done, decode[len(decode) // 2], engine.num_overlapped_steps, max(syncs[1:], default=0))
+        (sync, sync_s, _, _), (over, over_s, ahead, most) = runs["off"], runs["on"]
+        rows.append((f"overlap == sync {dtype}", over == sync and ahead > 0 and most <= 1,
+                     f"{ahead} steps launched ahead; syncs per decode step <= {most}; median step "
+                     f"{over_s * 1e3:.2f} ms overlapped / {sync_s * 1e3:.2f} ms = {over_s / sync_s:.2f}x"))
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -152,7 +201,7 @@ def main() -> int:
     args = p.parse_args()
     prompts = heldout(args.prompts)
     rows = []
-    for check in (lossless, syncs_per_step, seeded_repeat, graphs_match_eager):
+    for check in (lossless, syncs_per_step, seeded_repeat, graphs_match_eager, overlap_matches_sync):
         try:
             rows += check(args.device, prompts, args.max_tokens)
         except Exception:

@@ -35,15 +35,15 @@ def steps(device: str, out: Path) -> list[tuple[str, list[str], int]]:
     """(name, command, seconds allowed) per step; CPU runs the same scripts at small sizes."""
     py = [sys.executable]
     gpu = device == "cuda"
-    engine = ["--preset", "qwen3-8b", "--device", "cuda", "--prompt-len", "512", "--out-len", "32",
-              "--batches", "1,8,32,128"] if gpu else ["--preset", "tiny", "--prompt-len", "64", "--out-len", "8",
-                                                      "--batches", "1,4"]
+    engine = (["--preset", "qwen3-8b", "--device", "cuda", "--prompt-len", "512", "--out-len", "32",
+               "--batches", "1,8,32,128", "--repeats", "3"] if gpu
+              else ["--preset", "tiny", "--prompt-len", "64", "--out-len", "8", "--batches", "1,4"])
     big = ["--preset", "qwen3-8b", "--device", "cuda", "--repeats", "3"] if gpu else ["--preset", "tiny"]
     return [
         ("tests", py + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_attention.py",
                         "tests/test_layer_ops.py", "tests/test_cuda_graphs.py"], 300),
         ("step_check", py + ["benchmarks/gpu_step_check.py", "--device", device], 200),
-        ("engine", py + ["benchmarks/engine_bench.py", *engine, "--json", str(out / "engine.json")], 200),
+        ("engine", py + ["benchmarks/engine_bench.py", *engine, "--json", str(out / "engine.json")], 400),
         ("spec_b1", py + ["benchmarks/spec_bench.py", *big, "--num-prompts", "4", "--max-tokens", "64", "--batch", "1",
                           "--json", str(out / "spec_b1.json")], 120),
         ("spec_b32", py + ["benchmarks/spec_bench.py", *big, "--num-prompts", "32" if gpu else "4", "--max-tokens",
@@ -69,7 +69,7 @@ def headline(name: str, out: Path) -> str:
         return ""
     data = json.loads(path.read_text())
     if name == "engine":
-        return "; ".join(f"b{r['batch']} {r['graphs']}: {r['engine_step_ms']:.2f} ms, "
+        return "; ".join(f"b{r['batch']} {r['graphs']}/{r['overlap']}: {r['engine_step_ms']:.2f} ms, "
                          f"{r['floor_over_engine']:.2f} of floor" for r in data)
     return (f"{data['base']['tokens_per_s']:.0f} -> {data['spec']['tokens_per_s']:.0f} tok/s, speedup "
             f"{data['speedup']:.2f}, AL {data['spec']['mean_al'] or 1:.2f}, "

@@ -15,7 +15,7 @@ import torch
 
 from engine.checkpoint import CheckpointError
 from engine.cuda_graphs import CUDA_GRAPH_MODES
-from engine.llm_engine import LLMEngine, RequestOutput, Speculator
+from engine.llm_engine import OVERLAP_MODES, LLMEngine, RequestOutput, Speculator
 from engine.model import Qwen3Model
 from engine.parallel import TensorParallel
 from engine.sequence import SamplingParams
@@ -51,6 +51,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_extra_kv_tokens: int = 0
     cuda_graphs: str = "auto"                # "auto": on for CUDA with the triton backend and no TP; "on"; "off"
+    overlap: str = "auto"                    # launch decode steps ahead of the host; "auto": on for CUDA without TP
 
     def __post_init__(self):
         if self.page_size < 1:
@@ -61,6 +62,8 @@ class EngineConfig:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
         if self.cuda_graphs not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPH_MODES}, got {self.cuda_graphs!r}")
+        if self.overlap not in OVERLAP_MODES:
+            raise ValueError(f"overlap must be one of {OVERLAP_MODES}, got {self.overlap!r}")
 
     @property
     def backend(self) -> str:
@@ -149,7 +152,7 @@ def build_engine_from_model(model: Qwen3Model, config: EngineConfig, allocate: B
     return LLMEngine(model, tokenizer, kv, backend=config.backend, max_num_seqs=config.max_num_seqs,
                      max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                      speculator=unbound.bind(kv) if unbound is not None else None, layout=layout,
-                     cuda_graphs=config.cuda_graphs)
+                     cuda_graphs=config.cuda_graphs, overlap=config.overlap)
 
 
 class LLM:

@@ -95,12 +95,75 @@ class RequestOutput:
         return self.spec.mean_acceptance_length
 
 
+@dataclass
+class _Choice:
+    """A step's new tokens on the device (``LLMEngine._choose_tokens``): one flat int64 tensor, greedy plain rows'
+    tokens first, then sampled plain rows', then per verification group its tokens and accept counts."""
+
+    flat: torch.Tensor | None
+    plain: dict[bool, list[int]]                  # greedy? -> scheduled indices without drafts
+    spec: dict[tuple[int, bool], list[int]]       # (drafts, greedy?) -> scheduled indices
+    num_rows: int
+
+    @property
+    def plain_order(self) -> list[int]:
+        """The scheduled indices of the plain rows, in the order of their tokens in ``flat``."""
+        return self.plain[True] + self.plain[False]
+
+    def rows(self, host: list[int]) -> list[list[int]]:
+        """``flat`` read back on the host, as each scheduled row's new tokens."""
+        out: list[list[int]] = [[] for _ in range(self.num_rows)]
+        for n, i in enumerate(self.plain_order):
+            out[i] = [host[n]]
+        at = len(self.plain_order)
+        for (k, _), group in self.spec.items():
+            tokens, num_accepted = host[at:at + len(group) * (k + 1)], host[at + len(group) * (k + 1):]
+            for n, i in enumerate(group):
+                out[i] = tokens[n * (k + 1):n * (k + 1) + num_accepted[n] + 1]
+            at += len(group) * (k + 2)
+        return out
+
+
+@dataclass
+class _Launched:
+    """A decode step queued on the device (its forward and its token choice) whose tokens the host has not read:
+    with overlap the host launches the next step from ``tokens`` before it reads them."""
+
+    rows: list[ScheduledRequest]     # in the order of ``tokens``
+    positions: list[int]             # the position each row computes
+    tokens: torch.Tensor             # [B] int64 on the device: each row's new token
+    host: torch.Tensor               # their copy on the host, complete once ``done`` has fired
+    done: torch.cuda.Event | None    # None off CUDA (the copy has completed)
+
+    def read(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
+OVERLAP_MODES = ("auto", "on", "off")
+
+
+def use_overlap(mode: str, device: torch.device | str, tensor_parallel: bool) -> bool:
+    """Whether an engine launches a decode step before reading the previous one's tokens: ``auto`` on CUDA with
+    one rank, ``on`` wherever it can (it raises under tensor parallelism: ranks > 0 follow rank 0's steps one at a
+    time), ``off`` never."""
+    if mode not in OVERLAP_MODES:
+        raise ValueError(f"overlap must be one of {OVERLAP_MODES}, got {mode!r}")
+    if mode == "on" and tensor_parallel:
+        raise ValueError("overlap=on but the engine is tensor-parallel (ranks > 0 run one step at a time)")
+    if mode == "auto":
+        return torch.device(device).type == "cuda" and not tensor_parallel
+    return mode == "on"
+
+
 class LLMEngine:
     """One engine instance: a scheduler, a model runner over a KV manager, an optional speculator."""
 
     def __init__(self, model: Qwen3Model, tokenizer: Tokenizer | None, kv: KVCacheManager, *, backend: str,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 speculator: Speculator | None = None, layout: KVLayout | None = None, cuda_graphs: str = "auto"):
+                 speculator: Speculator | None = None, layout: KVLayout | None = None, cuda_graphs: str = "auto",
+                 overlap: str = "auto"):
         self.model = model
         self.tokenizer = tokenizer
         self.kv = kv
@@ -127,6 +190,11 @@ class LLMEngine:
         self.phase_seconds: dict[str, float] = {"draft": 0.0, "target": 0.0, "bookkeeping": 0.0}
         self.max_num_seqs = max_num_seqs
         self.graphs: list[StepGraphs] = []
+        # Overlap: a batch of plain decode rows launches its next step from the device's tokens before the host
+        # reads them, so scheduling, metadata, detokenization and outputs run while the device computes.
+        self.overlap = use_overlap(overlap, model.device, model.tp is not None)
+        self._launched: _Launched | None = None
+        self.num_overlapped_steps = 0      # steps launched before their predecessor's tokens were read
         if use_cuda_graphs(cuda_graphs, model.device, backend, model.tp is not None):
             self.enable_cuda_graphs(capture=True)
 
@@ -282,7 +350,7 @@ class LLMEngine:
             self.kv.free(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._launched is not None
 
     # --- tensor parallelism ---------------------------------------------------------------------
     def follow(self) -> None:
@@ -332,25 +400,116 @@ class LLMEngine:
 
     # --- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns an output for every request that made progress or finished."""
-        plan = self.scheduler.schedule()
-        if not plan.scheduled:
-            return []
+        """One engine step; returns an output for every request that made progress or finished.
+
+        With overlap, a batch of plain decode rows (no drafts, logits processing or logprobs) runs one step ahead
+        of the host: while the batch is unchanged the step launches the next forward from the device's tokens,
+        then reads and processes the previous step's. A request that a token read then ends (EOS, a stop) had one
+        more position computed, whose token is dropped and whose KV lands in its own last page (never a full,
+        shareable one; the pages go back at once, and what reuses them is queued behind it). A batch that changes
+        (a request admitted, aborted, preempted, at its length limit) is read first and scheduled as usual."""
+        launched = self._launched
+        if launched is None:
+            plan = self.scheduler.schedule()
+            if not plan.scheduled:
+                return []
+            if not self._overlappable(plan.scheduled):
+                return self._guarded(plan.scheduled, lambda: self._run(plan.scheduled))
+            launched = self._guarded(plan.scheduled, lambda: self._launch(plan.scheduled, None))
+        self._launched = None
+        ahead = self._guarded(launched.rows, lambda: self._launch_ahead(launched))
+        self._launched = ahead
+        return self._guarded(launched.rows + (ahead.rows if ahead else []), lambda: self._resolve(launched))
+
+    def _guarded(self, scheduled: Sequence[ScheduledRequest], fn):
+        """``fn()``; when it raises, the requests of ``scheduled`` fail (their pages go back) before the error
+        propagates, and no launched step is left to read."""
         try:
-            return self._run(plan.scheduled)
+            return fn()
         except Exception:
-            # A failed forward fails its requests; their pages go back before the error propagates.
-            for item in plan.scheduled:
+            self._launched = None
+            for item in scheduled:
                 if not item.request.finished:
                     self._finish(item.request, "error")
             raise
 
+    def _overlappable(self, scheduled: list[ScheduledRequest]) -> bool:
+        return self.overlap and self.speculator is None and not self.time_phases and all(
+            s.is_decode and not s.num_spec_tokens and s.request.logits_state is None
+            and s.request.params.logprobs is None for s in scheduled)
+
+    def _launch(self, rows: list[ScheduledRequest], ids: torch.Tensor | None) -> _Launched:
+        """Queue a decode step of ``rows`` on the device: ids from the host (``ids`` None: each row's last token)
+        or, one step ahead, the previous launch's tokens (then every row's position is one past its computed
+        history, whose last token the host has not read yet). Nothing here waits for the device."""
+        lag = 0 if ids is None else 1
+        positions = [s.request.num_computed_tokens + lag for s in rows]
+        if ids is None:
+            ids = upload([s.request.all_token_ids[p] for s, p in zip(rows, positions)], torch.int64,
+                         self.model.device)
+        runner_rows = [Row(s.request.request_id, p, 1) for s, p in zip(rows, positions)]
+        logits, _ = self.runner.run(runner_rows, ids, range(len(rows)))
+        choice = self._choose_tokens(rows, [slice(i, i + 1) for i in range(len(rows))], [None] * len(rows), logits)
+        order = choice.plain_order            # greedy rows first: the next launch keeps this order
+        tokens = choice.flat
+        if tokens.device.type == "cuda":
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host, done = tokens, None
+        return _Launched([rows[i] for i in order], [positions[i] for i in order], tokens, host, done)
+
+    def _launch_ahead(self, launched: _Launched) -> _Launched | None:
+        """The step after ``launched``, launched from its device tokens, when the batch stays as it is: nobody
+        waiting, no request gone, none whose launched token ends it by length, a KV slot for every row."""
+        rows = launched.rows
+        if self.scheduler.waiting or len(self.scheduler.running) != len(rows):
+            return None
+        for item, position in zip(rows, launched.positions):
+            r = item.request
+            if (r.status != RequestStatus.RUNNING or len(r.output_token_ids) + 1 >= r.params.max_tokens
+                    or position + 2 >= self.max_model_len):
+                return None
+        # Slots for one position more (past the launched token); an allocation that fails leaves the pages it did
+        # get with their requests, for the scheduler's next step.
+        if not all(self.kv.allocate_slots(item.request.request_id, position + 2)
+                   for item, position in zip(rows, launched.positions)):
+            return None
+        self.num_overlapped_steps += 1
+        return self._launch([ScheduledRequest(item.request, 1) for item in rows], launched.tokens)
+
+    def _resolve(self, launched: _Launched) -> list[RequestOutput]:
+        """Read a launched step's tokens and append them (rows whose request ended meanwhile are dropped)."""
+        tokens = launched.read()
+        outputs = []
+        for item, position, token in zip(launched.rows, launched.positions, tokens):
+            r = item.request
+            if r.status != RequestStatus.RUNNING:
+                continue
+            r.num_computed_tokens = position + 1
+            outputs.append(self._output(r, self._append(r, [token])))
+        self._settle(outputs)
+        return outputs
+
+    def _settle(self, outputs: list[RequestOutput]) -> None:
+        """After a step's outputs: finished requests leave (unless they hold their pages), the others offer their
+        full pages to the prefix cache."""
+        for out in outputs:
+            request = self.requests[out.request_id]
+            if request.finished:
+                if not request.hold_pages:
+                    del self.requests[out.request_id]
+            else:
+                self._commit(request)
+
     def _choose_tokens(self, scheduled: list[ScheduledRequest], slices: list[slice | None],
-                       proposals: list[Proposal | None], logits: torch.Tensor) -> list[list[int]]:
-        """Every row's new tokens, decided on the device and brought to the host in one transfer for the whole
-        step (the step's one host sync): greedy plain rows from one argmax of all logit rows, sampled plain rows
-        in one batched draw, speculative rows verified in one batch per draft count and kind (greedy: exact
-        match against that argmax; sampled: rejection sampling)."""
+                       proposals: list[Proposal | None], logits: torch.Tensor) -> "_Choice":
+        """Every row's new tokens, decided on the device into one flat tensor that reaches the host in one
+        transfer for the whole step (the step's one host sync): greedy plain rows from one argmax of all logit
+        rows, sampled plain rows in one batched draw, speculative rows verified in one batch per draft count and
+        kind (greedy: exact match against that argmax; sampled: rejection sampling)."""
         device = logits.device
         plain: dict[bool, list[int]] = {True: [], False: []}             # greedy? -> rows without drafts
         spec: dict[tuple[int, bool], list[int]] = {}                      # (drafts, greedy?) -> rows
@@ -365,7 +524,9 @@ class LLMEngine:
         best = logits.argmax(-1) if plain[True] or any(greedy for _, greedy in spec) else None
         pieces: list[torch.Tensor] = []      # int64 tensors on the device, all fetched at once
         if plain[True]:
-            pieces.append(best[upload([slices[i].start for i in plain[True]], torch.int64, device)])
+            every = [slices[i].start for i in plain[True]] == list(range(len(logits)))
+            pieces.append(best if every else best[upload([slices[i].start for i in plain[True]], torch.int64,
+                                                         device)])
         if plain[False]:
             pieces.append(sample(logits[upload([slices[i].start for i in plain[False]], torch.int64, device)],
                                  [scheduled[i].request.params for i in plain[False]],
@@ -381,19 +542,8 @@ class LLMEngine:
                 q = torch.stack([proposals[i].probs for i in group])
                 tokens, num_accepted = rejection_sample(drafts, q, p, [scheduled[i].request.generator for i in group])
             pieces += [tokens.flatten(), num_accepted]
-        host = torch.cat(pieces).tolist() if pieces else []
-        out: list[list[int]] = [[] for _ in scheduled]
-        at = 0
-        for greedy in (True, False):
-            for n, i in enumerate(plain[greedy]):
-                out[i] = [host[at + n]]
-            at += len(plain[greedy])
-        for (k, _), group in spec.items():
-            tokens, num_accepted = host[at:at + len(group) * (k + 1)], host[at + len(group) * (k + 1):]
-            for n, i in enumerate(group):
-                out[i] = tokens[n * (k + 1):n * (k + 1) + num_accepted[n] + 1]
-            at += len(group) * (k + 2)
-        return out
+        flat = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)) if pieces else None
+        return _Choice(flat, plain, spec, len(scheduled))
 
     def _run(self, scheduled: list[ScheduledRequest]) -> list[RequestOutput]:
         spec = self.speculator
@@ -431,7 +581,8 @@ class LLMEngine:
                   for i, item in enumerate(scheduled) if slices[i] is not None and item.request.logits_state]
         logits = adjust_logits(raw_logits, blocks) if blocks else raw_logits
 
-        new_tokens = self._choose_tokens(scheduled, slices, row_proposals, logits)
+        choice = self._choose_tokens(scheduled, slices, row_proposals, logits)
+        new_tokens = choice.rows(choice.flat.tolist() if choice.flat is not None else [])
         for i, proposal in enumerate(row_proposals):
             if proposal is not None:
                 accepted = len(new_tokens[i]) - 1
@@ -457,13 +608,7 @@ class LLMEngine:
         if context_items:
             spec.store_context(context_items)
         clock("draft")
-        for out in outputs:
-            request = self.requests[out.request_id]
-            if request.finished:
-                if not request.hold_pages:
-                    del self.requests[out.request_id]
-            else:
-                self._commit(request)
+        self._settle(outputs)
         clock("bookkeeping")
         return outputs
 

@@ -44,6 +44,7 @@ class ModelSettings(_Strict):
     max_model_len: int | None = Field(None, ge=2)
     attention_backend: Literal["torch", "triton"] | None = None
     cuda_graphs: Literal["auto", "on", "off"] = "auto"   # auto: on for CUDA with the triton backend and no TP
+    overlap: Literal["auto", "on", "off"] = "auto"       # decode steps launched ahead of the host; auto: CUDA, no TP
     tensor_parallel_size: int = Field(1, ge=1)        # every role's, unless its deployment sets its own
     pipeline_parallel_size: int = Field(1, ge=1)
     num_threads: int = Field(1, ge=1)                 # torch threads per replica process
@@ -76,7 +77,7 @@ class ModelSettings(_Strict):
             page_size=self.page_size, num_pages=self.num_pages, shared_draft_kv=self.shared_draft_kv,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, attention_backend=self.attention_backend, cuda_graphs=self.cuda_graphs,
-            num_spec_tokens=None if self.block_size is None else self.block_size - 1)
+            overlap=self.overlap, num_spec_tokens=None if self.block_size is None else self.block_size - 1)
         if self.kv_cache_bytes is not None:
             kwargs["kv_cache_bytes"] = self.kv_cache_bytes
         return EngineConfig(**kwargs)

@@ -1,0 +1,182 @@
+"""Overlap: a batch of plain decode rows launches its next step from the device's tokens before the host reads them.
+
+On this CPU the launched step has run by the time the host reads it, so nothing overlaps in time; what these tests
+pin is the bookkeeping that makes overlap safe on a GPU: each step ahead computes the right positions from the
+right tokens, a request that ends on a token the host reads late drops its extra token, the batch is read and
+rescheduled when it changes, and every page comes back.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.llm import EngineConfig
+from engine.llm_engine import use_overlap
+
+DEMO = Path(__file__).resolve().parents[1] / "models" / "demo" / "target"
+PROMPTS = ["def add(a, b):\n", "class Stack:\n    def push(self, x):\n", "import os\n\n", "for i in range(10):\n"]
+
+
+def _run(engine, requests, events=None):
+    """Step ``engine`` through ``requests`` ({id: (ids, params)}) to the end; ``events`` maps a step number to a
+    callable run before it. Returns every request's finished output and the outputs seen per id, each with the
+    step that gave it."""
+    added = [engine.add_request(ids, params, request_id=request_id) for request_id, (ids, params) in requests.items()]
+    finished, seen, step = {}, {}, 0
+    while engine.has_unfinished():
+        if events and step in events:
+            events[step](engine)
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append((step, out))
+            assert out.request_id not in finished, f"{out.request_id} has an output after it finished"
+            if out.finished:
+                finished[out.request_id] = out
+        step += 1
+    engine.last_run_preemptions = sum(r.num_preemptions for r in added)
+    return finished, seen
+
+
+def _summary(out):
+    return out.token_ids, out.text, out.finish_reason
+
+
+@pytest.fixture(scope="module")
+def demo_engines():
+    return {mode: LLM(DEMO, overlap=mode, page_size=4, max_model_len=96).engine for mode in ("off", "on")}
+
+
+def test_overlap_gives_the_synchronous_tokens_text_and_endings(demo_engines, monkeypatch):
+    """Greedy and seeded rows, ends by max_tokens, the context limit, a stop token and a stop string (the last two
+    are known only once the host reads the token, a step after the next one was launched): the overlapped engine's
+    outputs equal the synchronous engine's, it did launch steps ahead, and no page stays in use."""
+    off, on = demo_engines["off"], demo_engines["on"]
+    tok = off.tokenizer
+    ids = [tok.encode(p) for p in PROMPTS]
+    greedy = SamplingParams(max_tokens=40, ignore_eos=True)
+    free = {str(i): (p, greedy) for i, p in enumerate(ids)}
+    reference, _ = _run(off, free)
+    # A stop token at the 6th output of request 0, a stop string inside request 1's 10th-20th tokens' text.
+    stop_token = reference["0"].token_ids[5]
+    stop_text = tok.decode(reference["1"].token_ids[10:20]).strip()[:4]
+    assert stop_text
+    requests = {
+        "0": (ids[0], SamplingParams(max_tokens=40, stop_token_ids=[stop_token], ignore_eos=True)),
+        "1": (ids[1], SamplingParams(max_tokens=40, stop=[stop_text], ignore_eos=True)),
+        "2": (ids[2], SamplingParams(max_tokens=7, ignore_eos=True)),
+        "3": (ids[3], SamplingParams(max_tokens=200, ignore_eos=True)),     # ends at max_model_len
+        "4": (ids[0], SamplingParams(max_tokens=30, temperature=0.9, top_k=20, seed=11, ignore_eos=True)),
+        "5": (ids[1], SamplingParams(max_tokens=30, temperature=1.0, seed=5)),
+    }
+    expected, _ = _run(off, requests)
+    assert expected["0"].finish_reason == "stop" and expected["0"].token_ids[-1] == stop_token
+    assert expected["1"].finish_reason == "stop" and stop_text not in expected["1"].text
+    assert expected["3"].finish_reason == "length" and len(ids[3]) + len(expected["3"].token_ids) == 96
+    before = on.num_overlapped_steps
+    computed = {}               # request -> the furthest position a forward computed
+    run = on.runner.run
+
+    def recording(rows, *args, **kwargs):
+        for row in rows:
+            computed[row.request_id] = max(computed.get(row.request_id, 0), row.start + row.num_tokens - 1)
+        return run(rows, *args, **kwargs)
+
+    monkeypatch.setattr(on.runner, "run", recording)
+    got, seen = _run(on, requests)
+    monkeypatch.undo()
+    assert {k: _summary(v) for k, v in got.items()} == {k: _summary(v) for k, v in expected.items()}
+    # Every request's text deltas add up to its text; every step's new tokens to its tokens.
+    for request_id, outs in seen.items():
+        assert "".join(o.text_delta for _, o in outs) == got[request_id].text
+        assert [t for _, o in outs for t in o.new_token_ids] == got[request_id].token_ids
+    # No position past a request's end is computed, but for those whose end the host read a step late: a
+    # request ended by its length (known at launch) never has its last token computed.
+    for request_id, out in got.items():
+        end = len(requests[request_id][0]) + len(out.token_ids) - 1     # the last token's position
+        assert computed[request_id] == (end - 1 if out.finish_reason == "length" else end), request_id
+    assert on.num_overlapped_steps - before > 30
+    assert off.num_overlapped_steps == 0
+    assert on.kv.pages_in_use() == 0 and not on.requests
+
+
+def test_the_batch_is_read_and_rescheduled_when_it_changes(demo_engines):
+    """A request admitted, one aborted and one that needs its prefill while others decode ahead of the host: the
+    chain breaks, the newcomer is scheduled, the aborted request gets no output after its abort, and the others'
+    tokens equal their runs alone. Pages back to zero."""
+    off, on = demo_engines["off"], demo_engines["on"]
+    tok = off.tokenizer
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ids = [tok.encode(p) for p in PROMPTS]
+    alone = {str(i): _run(off, {str(i): (p, params)})[0][str(i)].token_ids for i, p in enumerate(ids)}
+    aborted_at = {}
+
+    def add(engine):
+        engine.add_request(ids[3], params, request_id="3")
+
+    def abort(engine):
+        aborted_at["2"] = len(engine.requests["2"].output_token_ids)
+        engine.abort("2")
+
+    got, seen = _run(on, {str(i): (p, params) for i, p in enumerate(ids[:3])}, events={6: add, 12: abort})
+    assert set(got) == {"0", "1", "3"}
+    for request_id in ("0", "1", "3"):
+        assert got[request_id].token_ids == alone[request_id], request_id
+    assert 0 < aborted_at["2"] < 24
+    assert sum(len(o.new_token_ids) for _, o in seen["2"]) == aborted_at["2"]
+    # The newcomer's prefill is scheduled in the step after the one that saw it waiting (the chain breaks).
+    assert seen["3"][0][0] <= 7
+    assert on.kv.pages_in_use() == 0 and not on.requests
+
+
+def test_a_full_pool_ends_the_chain_and_preempts_as_the_synchronous_engine_does():
+    """Pages for the step ahead run out: it is not launched, and the scheduler preempts as without overlap."""
+    engines = {mode: LLM(DEMO, overlap=mode, page_size=4, num_pages=24, max_model_len=96).engine
+               for mode in ("off", "on")}
+    tok = engines["off"].tokenizer
+    params = SamplingParams(max_tokens=36, ignore_eos=True)
+    requests = {str(i): (tok.encode(p), params) for i, p in enumerate(PROMPTS)}
+    results = {mode: _run(engine, requests)[0] for mode, engine in engines.items()}
+    assert {k: v.token_ids for k, v in results["on"].items()} == {k: v.token_ids for k, v in results["off"].items()}
+    assert engines["off"].last_run_preemptions > 0
+    assert engines["on"].last_run_preemptions == engines["off"].last_run_preemptions
+    assert engines["on"].num_overlapped_steps > 0
+    assert all(e.kv.pages_in_use() == 0 for e in engines.values())
+
+
+def test_a_step_reads_the_device_once_and_the_step_ahead_not_at_all(demo_engines, monkeypatch):
+    """With overlap a step reads one launched step's tokens (``tolist``) and nothing else: the step it launches
+    ahead takes its ids from the device."""
+    on = demo_engines["on"]
+    tok = on.tokenizer
+    for i, p in enumerate(PROMPTS):
+        on.add_request(tok.encode(p), SamplingParams(max_tokens=16, ignore_eos=True), request_id=f"r{i}")
+    reads = []
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    per_step, before = [], on.num_overlapped_steps
+    while on.has_unfinished():
+        reads.clear()
+        on.step()
+        per_step.append(list(reads))
+    monkeypatch.undo()
+    assert on.num_overlapped_steps - before >= 10
+    assert all(r == ["tolist"] for r in per_step), per_step
+
+
+def test_overlap_modes():
+    assert use_overlap("auto", "cpu", False) is False
+    assert use_overlap("auto", "cuda", False) is True
+    assert use_overlap("auto", "cuda", True) is False
+    assert use_overlap("on", "cpu", False) is True
+    assert use_overlap("off", "cuda", False) is False
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        use_overlap("on", "cuda", True)
+    with pytest.raises(ValueError, match="overlap must be one of"):
+        EngineConfig(model="m", overlap="sometimes")
