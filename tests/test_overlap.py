@@ -6,11 +6,13 @@ right tokens, a request that ends on a token the host reads late drops its extra
 rescheduled when it changes, and every page comes back.
 """
 
+import asyncio
 from pathlib import Path
 
 import pytest
 import torch
 
+from actors.engine_loop import EngineLoop
 from engine import LLM, SamplingParams
 from engine.llm import EngineConfig
 from engine.llm_engine import use_overlap
@@ -180,3 +182,47 @@ def test_overlap_modes():
         use_overlap("on", "cuda", True)
     with pytest.raises(ValueError, match="overlap must be one of"):
         EngineConfig(model="m", overlap="sometimes")
+
+
+def test_the_engine_loop_streams_adds_and_aborts_between_overlapped_steps(demo_engines):
+    """What a replica does, on the engine loop thread between steps while a step is launched ahead: requests added
+    while others decode, one aborted from its stream after a few outputs. The survivors stream the tokens of the
+    synchronous engine; the aborted one's stream gets nothing after the abort; every page comes back."""
+    off = demo_engines["off"]
+    tok = off.tokenizer
+    ids = [tok.encode(p) for p in PROMPTS]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    alone = {str(i): _run(off, {str(i): (p, params)})[0][str(i)].token_ids for i, p in enumerate(ids)}
+    engine = LLM(DEMO, overlap="on", page_size=4, max_model_len=96).engine
+    loop = EngineLoop(engine)
+
+    async def stream(request_id: str, delay_s: float, abort_after: int | None) -> list[int]:
+        await asyncio.sleep(delay_s)
+        queue = loop.open_stream(request_id)
+        await loop.call(lambda e: e.add_request(ids[int(request_id)], params, request_id=request_id))
+        tokens, outputs = [], 0
+        while True:
+            out = await asyncio.wait_for(queue.get(), 30)
+            tokens += out.new_token_ids
+            outputs += 1
+            if out.finished:
+                return tokens
+            if outputs == abort_after:
+                await asyncio.wrap_future(loop.abort(request_id))
+                await asyncio.sleep(0.2)            # steps run meanwhile: nothing more may arrive
+                assert queue.empty()
+                return tokens
+
+    async def scenario():
+        return await asyncio.gather(stream("0", 0, None), stream("1", 0, 4), stream("2", 0.05, None),
+                                    stream("3", 0.08, None))
+
+    try:
+        got = asyncio.run(scenario())
+        assert got[0] == alone["0"] and got[2] == alone["2"] and got[3] == alone["3"]
+        assert got[1] == alone["1"][:len(got[1])] and len(got[1]) < 32
+        assert engine.num_overlapped_steps > 10
+        assert loop.submit(lambda e: (e.kv.pages_in_use(), len(e.requests), e.has_unfinished())).result(10) == \
+            (0, 0, False)
+    finally:
+        loop.shutdown()
