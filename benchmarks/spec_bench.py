@@ -132,7 +132,8 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="kernels and GPU busy time of a few with-drafter steps")
     ap.add_argument("--host", action="store_true",
-                    help="cProfile the host's Python over the with-drafter generation (top functions by own time)")
+                    help="cProfile the host's Python over the with-drafter generation (top functions by own and by "
+                         "cumulative time)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     base, spec, prompts = demo_engines(args) if args.preset == "demo" else random_engines(args)
@@ -174,6 +175,7 @@ def main():
         profiler.runcall(_generate, spec, prompts, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True),
                          args.batch)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
     if args.json:
         Path(args.json).write_text(json.dumps({"base": {k: v for k, v in b.items() if k != "outputs"},
                                                "spec": {k: v for k, v in s.items() if k != "outputs"},

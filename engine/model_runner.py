@@ -25,14 +25,21 @@ class Row:
     num_tokens: int
 
 
+# A step of at most this many tokens (decode, verification and drafter blocks) computes its positions, slots, query
+# starts and lengths on the host, one pass over its tokens, and sends them in two copies; a longer one (prefill
+# chunks) computes them on the device from each row's start and length, with no host work per token.
+HOST_METADATA_MAX_TOKENS = 256
+
+
 def build_metadata(kv: KVCacheManager, space: int, rows: Sequence[Row], *, causal: bool, backend: str,
                    device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
     """Positions [T] and attention metadata of ``rows`` over page space ``space``; K/V of every row's
     positions are stored into that space's pages at their slots.
 
-    Block tables stay on the device (``kv.device_block_tables``): the host sends each row's start, length and
-    table row (and the pages the step's requests gained), and positions, slots and the batch's block tables are
-    computed there."""
+    Block tables stay on the device (``kv.device_block_tables``): the host sends each row's table row (and the
+    pages the step's requests gained), and the batch's block tables are gathered there. Positions and slots are
+    computed on the host for short steps (every kernel launched before a step's forward is host time the device
+    may wait for) and on the device for long ones."""
     page_size = kv.page_size
     tables = [kv.block_table(r.request_id, space) for r in rows]
     for row, table in zip(rows, tables):
@@ -41,21 +48,36 @@ def build_metadata(kv: KVCacheManager, space: int, rows: Sequence[Row], *, causa
                                f"{len(table)} pages")
     mirror = kv.device_block_tables(space, device)
     table_rows = mirror.rows([r.request_id for r in rows], tables)
-    starts, lengths, table_rows = upload([[r.start for r in rows], [r.num_tokens for r in rows], table_rows],
-                                         torch.int64, device)
     num_tokens = sum(r.num_tokens for r in rows)
-    query_start = torch.zeros(len(rows) + 1, dtype=torch.int64, device=device)
-    torch.cumsum(lengths, 0, out=query_start[1:])
-    token_row = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths, output_size=num_tokens)
-    positions = starts[token_row] + torch.arange(num_tokens, device=device) - query_start[token_row]
-    block_tables = mirror.table[table_rows, :max(len(t) for t in tables)]
-    slots = block_tables[token_row, positions // page_size].long() * page_size + positions % page_size
     max_query_len = max(r.num_tokens for r in rows)
+    width = max(len(t) for t in tables)
+    if num_tokens <= HOST_METADATA_MAX_TOKENS:
+        positions_list, slots, query_start_list = [], [], [0]
+        for row, table in zip(rows, tables):
+            for p in range(row.start, row.start + row.num_tokens):
+                positions_list.append(p)
+                slots.append(table[p // page_size] * page_size + p % page_size)
+            query_start_list.append(query_start_list[-1] + row.num_tokens)
+        longs = upload(positions_list + slots + table_rows, torch.int64, device)
+        ints = upload(query_start_list + [r.start + r.num_tokens for r in rows], torch.int32, device)
+        positions, slot_mapping = longs[:num_tokens], longs[num_tokens:2 * num_tokens]
+        block_tables = mirror.table[longs[2 * num_tokens:], :width]
+        query_start_loc, seq_lens = ints[:len(rows) + 1], ints[len(rows) + 1:]
+    else:
+        starts, lengths, table_rows = upload([[r.start for r in rows], [r.num_tokens for r in rows], table_rows],
+                                             torch.int64, device)
+        query_start = torch.zeros(len(rows) + 1, dtype=torch.int64, device=device)
+        torch.cumsum(lengths, 0, out=query_start[1:])
+        token_row = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths, output_size=num_tokens)
+        positions = starts[token_row] + torch.arange(num_tokens, device=device) - query_start[token_row]
+        block_tables = mirror.table[table_rows, :width]
+        slot_mapping = block_tables[token_row, positions // page_size].long() * page_size + positions % page_size
+        query_start_loc, seq_lens = query_start.int(), (starts + lengths).int()
     meta = AttentionMetadata(
-        query_start_loc=query_start.int(),
-        seq_lens=(starts + lengths).int(),
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
         block_tables=block_tables,
-        slot_mapping=slots,
+        slot_mapping=slot_mapping,
         max_query_len=max_query_len,
         max_seq_len=max(r.start + r.num_tokens for r in rows),
         causal=causal,

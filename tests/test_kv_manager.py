@@ -557,14 +557,19 @@ def test_a_request_pages_come_in_runs_one_per_chunk_at_worst():
     assert runs(kv.block_table("d", 0)) == 1
 
 
+@pytest.mark.parametrize("host_tokens", [0, 10_000], ids=["device-positions", "host-positions"])
 @pytest.mark.parametrize("layout", ["unified", "separate"])
-def test_device_block_tables_follow_every_change_and_give_the_metadata_of_the_lists(layout):
+def test_device_block_tables_follow_every_change_and_give_the_metadata_of_the_lists(layout, host_tokens, monkeypatch):
     """A step's metadata comes from the device copy of the block tables, which is only updated incrementally
     (pages a request gained, rows of freed requests reused, the tensor grown past its first size). Over a random
-    history of admissions, growth, forks and frees, it must equal what the host's lists say."""
+    history of admissions, growth, forks and frees, it must equal what the host's lists say, with positions and
+    slots computed on the device (long steps) or on the host (short ones)."""
     import random
 
+    from engine import model_runner
     from engine.model_runner import Row, build_metadata
+
+    monkeypatch.setattr(model_runner, "HOST_METADATA_MAX_TOKENS", host_tokens)
 
     rng = random.Random(7)
     kv = make_manager(layout, num_pages=64, lookahead_tokens=1)
@@ -608,6 +613,8 @@ def test_device_block_tables_follow_every_change_and_give_the_metadata_of_the_li
             assert meta.slot_mapping.tolist() == [t[p // PS] * PS + p % PS for t, p in zip(owners, want_positions)]
             assert meta.block_tables.tolist() == [t + [0] * (width - len(t)) for t in tables]    # unused: 0
             assert meta.block_tables.shape == (len(rows), width)
+            assert (positions.dtype, meta.slot_mapping.dtype, meta.block_tables.dtype, meta.seq_lens.dtype,
+                    meta.query_start_loc.dtype) == (torch.int64, torch.int64, torch.int32, torch.int32, torch.int32)
             assert meta.seq_lens.tolist() == [r.start + r.num_tokens for r in rows]
             assert meta.query_start_loc.tolist() == [0] + list(itertools.accumulate(r.num_tokens for r in rows))
     mirrors = [kv.device_block_tables(space, torch.device("cpu")) for space in range(len(kv.pools))]
