@@ -15,10 +15,11 @@ per step, on the demo pair.
    padded inputs; a graphed engine (``cuda_graphs: on``) decodes the tokens and per-step AL of an eager one
    (``off``) on the same batch, float32 and bf16; and the decode steps' mean time, graphed / eager, side by side.
    Off CUDA the graphs' static padded inputs run eagerly (nothing is captured).
-5. Overlap (issue 12, item 4), target alone: with decode steps launched ahead of the host (``overlap: on``) a batch
-   of greedy and seeded rows ending at different steps (max_tokens, a stop token) decodes the tokens of the same
-   engine with ``overlap: off``, in float32 and bf16; steps did launch ahead; the syncs the debug mode sees per
-   decode step (the token read waits on an event, which it does not count: expect 0); median decode step of each.
+5. Overlap (issue 12, item 4), the target alone and with the drafter: with steps launched ahead of the host
+   (``overlap: on``) a batch of rows ending at different steps (max_tokens, a stop token; greedy, and a seeded
+   sampled row for the target alone) decodes the tokens (and per-step AL) of the same engine with ``overlap: off``,
+   in float32 and bf16; steps did launch ahead; the syncs the debug mode sees per decode step (the token read waits
+   on an event, which it does not count: expect 0); the median decode step of each.
 
 Prints a table; exits 1 when a check fails.
 """
@@ -153,43 +154,53 @@ def overlap_matches_sync(device: str, prompts: list[str], max_tokens: int) -> li
 
     rows = []
     for dtype in ("float32", "bfloat16"):
-        runs = {}
-        for mode in ("off", "on"):
-            llm = TargetLLM(str(DEMO / "target"), device=device, dtype=dtype, overlap=mode)
-            engine = llm.engine
-            ids = [llm.tokenizer.encode(p) for p in prompts]
-            if not runs:
-                free = llm.generate(ids[:1], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
-            kinds = [SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                     SamplingParams(max_tokens=max_tokens // 2, ignore_eos=True),
-                     SamplingParams(max_tokens=max_tokens, stop_token_ids=[free[5]], ignore_eos=True),
-                     SamplingParams(max_tokens=max_tokens, temperature=0.8, top_k=20, seed=3, ignore_eos=True)]
-            for i, prompt in enumerate(ids):
-                engine.add_request(prompt, kinds[i % len(kinds)], request_id=str(i))
-            done, step_s, syncs = {}, [], []
-            if device == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.set_sync_debug_mode("warn")
-            try:
-                while engine.has_unfinished():
-                    start = time.perf_counter()
-                    with warnings.catch_warnings(record=True) as caught:
-                        warnings.simplefilter("always")
-                        outs = engine.step()
-                    step_s.append(time.perf_counter() - start)
-                    syncs.append(sum("synchroniz" in str(w.message) for w in caught))
-                    for out in outs:
-                        if out.finished:
-                            done[out.request_id] = out.token_ids
-            finally:
+        for drafter in (False, True):
+            runs = {}
+            for mode in ("off", "on"):
+                if drafter:
+                    llm = LLM(str(DEMO / "target"), draft=str(DEMO / "drafter"), device=device, dtype=dtype,
+                              overlap=mode)
+                    if device != "cuda":
+                        llm.engine.enable_cuda_graphs(capture=False)      # drafting ahead needs the graphs
+                else:
+                    llm = TargetLLM(str(DEMO / "target"), device=device, dtype=dtype, overlap=mode)
+                engine = llm.engine
+                ids = [llm.tokenizer.encode(p) for p in prompts]
+                if not runs:
+                    free = llm.generate(ids[:1], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+                kinds = [SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                         SamplingParams(max_tokens=max_tokens // 2, ignore_eos=True),
+                         SamplingParams(max_tokens=max_tokens, stop_token_ids=[free[5]], ignore_eos=True)]
+                if not drafter:       # sampled rows are not drafted ahead: with the drafter they end the overlap
+                    kinds.append(SamplingParams(max_tokens=max_tokens, temperature=0.8, top_k=20, seed=3,
+                                                ignore_eos=True))
+                for i, prompt in enumerate(ids):
+                    engine.add_request(prompt, kinds[i % len(kinds)], request_id=str(i))
+                done, step_s, syncs = {}, [], []
                 if device == "cuda":
-                    torch.cuda.set_sync_debug_mode(0)
-            decode = sorted(step_s[1:]) or [float("nan")]
-            runs[mode] = (done, decode[len(decode) // 2], engine.num_overlapped_steps, max(syncs[1:], default=0))
-        (sync, sync_s, _, _), (over, over_s, ahead, most) = runs["off"], runs["on"]
-        rows.append((f"overlap == sync {dtype}", over == sync and ahead > 0 and most <= 1,
-                     f"{ahead} steps launched ahead; syncs per decode step <= {most}; median step "
-                     f"{over_s * 1e3:.2f} ms overlapped / {sync_s * 1e3:.2f} ms = {over_s / sync_s:.2f}x"))
+                    torch.cuda.synchronize()
+                    torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    while engine.has_unfinished():
+                        start = time.perf_counter()
+                        with warnings.catch_warnings(record=True) as caught:
+                            warnings.simplefilter("always")
+                            outs = engine.step()
+                        step_s.append(time.perf_counter() - start)
+                        syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+                        for out in outs:
+                            if out.finished:
+                                done[out.request_id] = (out.token_ids, out.acceptance_lengths)
+                finally:
+                    if device == "cuda":
+                        torch.cuda.set_sync_debug_mode(0)
+                decode = sorted(step_s[1:]) or [float("nan")]
+                runs[mode] = (done, decode[len(decode) // 2], engine.num_overlapped_steps, max(syncs[1:], default=0))
+            (sync, sync_s, _, _), (over, over_s, ahead, most) = runs["off"], runs["on"]
+            name = f"overlap == sync {'spec ' if drafter else ''}{dtype}"
+            rows.append((name, over == sync and ahead > 0 and most <= 1,
+                         f"{ahead} steps launched ahead; syncs per decode step <= {most}; median step "
+                         f"{over_s * 1e3:.2f} ms overlapped / {sync_s * 1e3:.2f} ms = {over_s / sync_s:.2f}x"))
     return rows
 
 

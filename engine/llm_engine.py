@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from engine.attention import AttentionMetadata
 from engine.cuda_graphs import StepGraphs, use_cuda_graphs
 from engine.model import Qwen3Model
 from engine.model_runner import ModelRunner, Row
@@ -61,6 +62,20 @@ class Speculator(Protocol):
 
     def enable_graphs(self, max_batch: int, max_pages: int, capture: bool) -> StepGraphs:
         """Run the drafter's full blocks through ``StepGraphs`` (``LLMEngine.enable_cuda_graphs``)."""
+        ...
+
+    def can_draft_ahead(self, batch: int) -> bool:
+        """Whether ``draft_ahead`` can run a batch of this many rows (overlap)."""
+        ...
+
+    def draft_ahead(self, request_ids: Sequence[str], anchors: torch.Tensor, starts: torch.Tensor,
+                    context: torch.Tensor, context_lens: torch.Tensor,
+                    target_metadata: tuple[torch.Tensor, AttentionMetadata]) -> torch.Tensor:
+        """Greedy drafts ``[B, K]`` for blocks whose anchors ``[B, 1]`` and starts ``[B]`` are on the device (a step
+        launched from the previous one's results): first store each row's ``context_lens`` rows of ``context``
+        (the previous verification's captured hidden states, K + 1 rows a row) as the positions right before its
+        block. ``target_metadata``: the verification's positions and metadata at the same rows, for a drafter
+        whose layers share the target's pages."""
         ...
 
     # Tensor parallelism (ranks > 0 only): run a drafter forward rank 0 published.
@@ -126,16 +141,34 @@ class _Choice:
 
 @dataclass
 class _Launched:
-    """A decode step queued on the device (its forward and its token choice) whose tokens the host has not read:
-    with overlap the host launches the next step from ``tokens`` before it reads them."""
+    """A step queued on the device (draft, forward, token choice) whose tokens the host has not read yet. ``_run``
+    reads them at once; with overlap the host first launches the next step from them, still on the device."""
 
-    rows: list[ScheduledRequest]     # in the order of ``tokens``
-    positions: list[int]             # the position each row computes
-    tokens: torch.Tensor             # [B] int64 on the device: each row's new token
-    host: torch.Tensor               # their copy on the host, complete once ``done`` has fired
-    done: torch.cuda.Event | None    # None off CUDA (the copy has completed)
+    scheduled: list[ScheduledRequest]
+    rows: list[Row]                          # the target forward's rows (their token counts lay out ``captured``)
+    slices: list[slice | None]               # each row's logit rows
+    proposals: list[Proposal | None]
+    choice: _Choice
+    raw_logits: torch.Tensor
+    captured: torch.Tensor | None            # the captured hidden states, row after row
+    host: torch.Tensor | None = None         # ``choice.flat`` copied to the host, complete once ``done`` has fired
+    done: torch.cuda.Event | None = None
+
+    def start_copy(self) -> "_Launched":
+        """Queue the copy of the step's tokens to the host; ``read`` waits for it."""
+        flat = self.choice.flat
+        if flat is not None and flat.device.type == "cuda":
+            self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self.host.copy_(flat, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host = flat
+        return self
 
     def read(self) -> list[int]:
+        if self.host is None:            # not copied ahead: the synchronous path's one host read
+            return self.choice.flat.tolist() if self.choice.flat is not None else []
         if self.done is not None:
             self.done.synchronize()
         return self.host.tolist()
@@ -194,6 +227,7 @@ class LLMEngine:
         # reads them, so scheduling, metadata, detokenization and outputs run while the device computes.
         self.overlap = use_overlap(overlap, model.device, model.tp is not None)
         self._launched: _Launched | None = None
+        self._clock = self._phase_clock()
         self.num_overlapped_steps = 0      # steps launched before their predecessor's tokens were read
         if use_cuda_graphs(cuda_graphs, model.device, backend, model.tp is not None):
             self.enable_cuda_graphs(capture=True)
@@ -402,12 +436,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step; returns an output for every request that made progress or finished.
 
-        With overlap, a batch of plain decode rows (no drafts, logits processing or logprobs) runs one step ahead
-        of the host: while the batch is unchanged the step launches the next forward from the device's tokens,
-        then reads and processes the previous step's. A request that a token read then ends (EOS, a stop) had one
-        more position computed, whose token is dropped and whose KV lands in its own last page (never a full,
-        shareable one; the pages go back at once, and what reuses them is queued behind it). A batch that changes
-        (a request admitted, aborted, preempted, at its length limit) is read first and scheduled as usual."""
+        With overlap, a batch of decode rows (plain, or speculative with full draft blocks; greedy or sampled
+        without drafts; no logits processing or logprobs) runs one step ahead of the host: while the batch is
+        unchanged the step launches the next draft and forward from the device's tokens (and accept counts), then
+        reads and processes the previous step's. A request that a token read then ends (EOS, a stop) had one more
+        step computed for it, whose tokens are dropped and whose K/V lands past its end, in its own pages (never a
+        full, shareable one; the pages go back at once, and what reuses them is queued behind it). A batch that
+        would change (a request admitted, aborted, at a length limit) is read first and scheduled as usual."""
         launched = self._launched
         if launched is None:
             plan = self.scheduler.schedule()
@@ -415,11 +450,12 @@ class LLMEngine:
                 return []
             if not self._overlappable(plan.scheduled):
                 return self._guarded(plan.scheduled, lambda: self._run(plan.scheduled))
-            launched = self._guarded(plan.scheduled, lambda: self._launch(plan.scheduled, None))
+            launched = self._guarded(plan.scheduled, lambda: self._forward(plan.scheduled).start_copy())
         self._launched = None
-        ahead = self._guarded(launched.rows, lambda: self._launch_ahead(launched))
+        ahead = self._guarded(launched.scheduled, lambda: self._launch_ahead(launched))
         self._launched = ahead
-        return self._guarded(launched.rows + (ahead.rows if ahead else []), lambda: self._resolve(launched))
+        return self._guarded(launched.scheduled + (ahead.scheduled if ahead else []),
+                             lambda: self._conclude(launched, ahead))
 
     def _guarded(self, scheduled: Sequence[ScheduledRequest], fn):
         """``fn()``; when it raises, the requests of ``scheduled`` fail (their pages go back) before the error
@@ -434,64 +470,80 @@ class LLMEngine:
             raise
 
     def _overlappable(self, scheduled: list[ScheduledRequest]) -> bool:
-        return self.overlap and self.speculator is None and not self.time_phases and all(
-            s.is_decode and not s.num_spec_tokens and s.request.logits_state is None
-            and s.request.params.logprobs is None for s in scheduled)
-
-    def _launch(self, rows: list[ScheduledRequest], ids: torch.Tensor | None) -> _Launched:
-        """Queue a decode step of ``rows`` on the device: ids from the host (``ids`` None: each row's last token)
-        or, one step ahead, the previous launch's tokens (then every row's position is one past its computed
-        history, whose last token the host has not read yet). Nothing here waits for the device."""
-        lag = 0 if ids is None else 1
-        positions = [s.request.num_computed_tokens + lag for s in rows]
-        if ids is None:
-            ids = upload([s.request.all_token_ids[p] for s, p in zip(rows, positions)], torch.int64,
-                         self.model.device)
-        runner_rows = [Row(s.request.request_id, p, 1) for s, p in zip(rows, positions)]
-        logits, _ = self.runner.run(runner_rows, ids, range(len(rows)))
-        choice = self._choose_tokens(rows, [slice(i, i + 1) for i in range(len(rows))], [None] * len(rows), logits)
-        order = choice.plain_order            # greedy rows first: the next launch keeps this order
-        tokens = choice.flat
-        if tokens.device.type == "cuda":
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        else:
-            host, done = tokens, None
-        return _Launched([rows[i] for i in order], [positions[i] for i in order], tokens, host, done)
+        if not self.overlap or self.time_phases:
+            return False
+        spec = self.speculator
+        if spec is not None and not (spec.can_draft_ahead(len(scheduled)) and self.runner.graphs is not None
+                                     and self.runner.graphs.accepts(len(scheduled), spec.num_spec_tokens + 1)):
+            return False
+        drafts = spec.num_spec_tokens if spec is not None else 0
+        return all(s.is_decode and s.num_spec_tokens == drafts and s.request.logits_state is None
+                   and s.request.params.logprobs is None and (not drafts or s.request.params.greedy)
+                   for s in scheduled)
 
     def _launch_ahead(self, launched: _Launched) -> _Launched | None:
         """The step after ``launched``, launched from its device tokens, when the batch stays as it is: nobody
-        waiting, no request gone, none whose launched token ends it by length, a KV slot for every row."""
-        rows = launched.rows
+        waiting, no request gone, none that ``launched``'s tokens could end by length, a KV slot for every
+        position the next step may compute."""
+        rows = launched.scheduled
         if self.scheduler.waiting or len(self.scheduler.running) != len(rows):
             return None
-        for item, position in zip(rows, launched.positions):
+        step = self.speculator.num_spec_tokens + 1 if self.speculator is not None else 1   # tokens a row may gain
+        for item in rows:
             r = item.request
-            if (r.status != RequestStatus.RUNNING or len(r.output_token_ids) + 1 >= r.params.max_tokens
-                    or position + 2 >= self.max_model_len):
+            if r.status != RequestStatus.RUNNING or r.num_computed_tokens + 2 * step >= self.max_model_len:
                 return None
-        # Slots for one position more (past the launched token); an allocation that fails leaves the pages it did
-        # get with their requests, for the scheduler's next step.
-        if not all(self.kv.allocate_slots(item.request.request_id, position + 2)
-                   for item, position in zip(rows, launched.positions)):
+        # A row that ``launched`` may end by max_tokens goes along (its next tokens are dropped if it did: a row's
+        # work, where a synchronous step would expose the host's for the whole batch), unless every row surely ends.
+        if all(len(item.request.output_token_ids) + 1 >= item.request.params.max_tokens for item in rows):
+            return None
+        # Slots for the next step's history token (the lookahead covers its drafts); an allocation that fails
+        # leaves the pages it did get with their requests, for the scheduler's next step.
+        if not all(self.kv.allocate_slots(item.request.request_id, item.request.num_computed_tokens + step + 1)
+                   for item in rows):
             return None
         self.num_overlapped_steps += 1
-        return self._launch([ScheduledRequest(item.request, 1) for item in rows], launched.tokens)
+        if self.speculator is None:
+            return self._plain_ahead(launched).start_copy()
+        return self._speculate_ahead(launched).start_copy()
 
-    def _resolve(self, launched: _Launched) -> list[RequestOutput]:
-        """Read a launched step's tokens and append them (rows whose request ended meanwhile are dropped)."""
-        tokens = launched.read()
-        outputs = []
-        for item, position, token in zip(launched.rows, launched.positions, tokens):
-            r = item.request
-            if r.status != RequestStatus.RUNNING:
-                continue
-            r.num_computed_tokens = position + 1
-            outputs.append(self._output(r, self._append(r, [token])))
-        self._settle(outputs)
-        return outputs
+    def _plain_ahead(self, launched: _Launched) -> _Launched:
+        """A decode step one position past each row's computed history, its ids the launched step's tokens: rows
+        in the order of those tokens (greedy rows, then sampled)."""
+        choice = launched.choice
+        scheduled = [ScheduledRequest(launched.scheduled[i].request, 1) for i in choice.plain_order]
+        rows = [Row(s.request.request_id, s.request.num_computed_tokens + 1, 1) for s in scheduled]
+        logits, _ = self.runner.run(rows, choice.flat, range(len(rows)))
+        slices = [slice(i, i + 1) for i in range(len(rows))]
+        proposals = [None] * len(rows)
+        return _Launched(scheduled, rows, slices, proposals, self._choose_tokens(scheduled, slices, proposals, logits),
+                         logits, None)
+
+    @torch.inference_mode()
+    def _speculate_ahead(self, launched: _Launched) -> _Launched:
+        """A speculative step from the launched one's device results: each row's block starts one past its
+        accepted tokens, anchored at its bonus token; the drafter graph stores the accepted positions' context
+        first, then drafts; the target verifies; greedy acceptance on the device. The host sends only each row's
+        computed history length (the launched step's start) and block table row."""
+        spec = self.speculator
+        q = spec.num_spec_tokens + 1
+        scheduled = [ScheduledRequest(item.request, 1, q - 1) for item in launched.scheduled]
+        n = len(scheduled)
+        flat = launched.choice.flat
+        tokens, num_accepted = flat[:n * q].view(n, q), flat[n * q:]
+        request_ids = [s.request.request_id for s in scheduled]
+        starts = upload([s.request.num_computed_tokens for s in scheduled], torch.int64, flat.device) + num_accepted + 1
+        anchors = tokens.gather(1, num_accepted[:, None])
+        positions, meta = self.runner.metadata_ahead(request_ids, starts, q)
+        drafts = spec.draft_ahead(request_ids, anchors, starts, launched.captured, num_accepted + 1, (positions, meta))
+        logits, captured = self.runner.run_ahead(q, torch.cat([anchors, drafts], 1).flatten(), positions, meta,
+                                                 spec.capture_layers)
+        new_tokens, accepted = accept_greedy(drafts, logits.argmax(-1).view(n, q))
+        choice = _Choice(torch.cat([new_tokens.flatten(), accepted]), {True: [], False: []},
+                         {(q - 1, True): list(range(n))}, n)
+        return _Launched(scheduled, [Row(rid, -1, q) for rid in request_ids],
+                         [slice(i * q, (i + 1) * q) for i in range(n)], [Proposal(d) for d in drafts], choice,
+                         logits, captured)
 
     def _settle(self, outputs: list[RequestOutput]) -> None:
         """After a step's outputs: finished requests leave (unless they hold their pages), the others offer their
@@ -546,8 +598,12 @@ class LLMEngine:
         return _Choice(flat, plain, spec, len(scheduled))
 
     def _run(self, scheduled: list[ScheduledRequest]) -> list[RequestOutput]:
+        return self._conclude(self._forward(scheduled), None)
+
+    def _forward(self, scheduled: list[ScheduledRequest]) -> _Launched:
+        """Draft, run the target and choose the tokens of ``scheduled`` on the device; nothing waits for it."""
         spec = self.speculator
-        clock = self._phase_clock()
+        self._clock = clock = self._phase_clock()
         proposals = iter(spec.propose([s for s in scheduled if s.num_spec_tokens]) if spec else ())
         clock("draft")
         rows, token_ids, logit_rows, row_proposals, slices = [], [], [], [], []
@@ -580,26 +636,38 @@ class LLMEngine:
                               len(item.request.output_token_ids), row_proposals[i].tokens if row_proposals[i] else None)
                   for i, item in enumerate(scheduled) if slices[i] is not None and item.request.logits_state]
         logits = adjust_logits(raw_logits, blocks) if blocks else raw_logits
-
         choice = self._choose_tokens(scheduled, slices, row_proposals, logits)
-        new_tokens = choice.rows(choice.flat.tolist() if choice.flat is not None else [])
-        for i, proposal in enumerate(row_proposals):
-            if proposal is not None:
+        return _Launched(scheduled, rows, slices, row_proposals, choice, raw_logits, captured)
+
+    def _conclude(self, step: _Launched, ahead: _Launched | None) -> list[RequestOutput]:
+        """Read a step's tokens (the step's one host sync) and append them; a row whose request ended since the
+        step was launched (an abort, or the step before it ended it) is dropped. Rows that ``ahead`` continues
+        had their accepted context stored by its drafter graph; the others' goes to the speculator."""
+        spec, scheduled, rows = self.speculator, step.scheduled, step.rows
+        clock = self._clock if ahead is None and step.host is None else (lambda phase: None)
+        new_tokens = step.choice.rows(step.read())
+        live = [item.request.status == RequestStatus.RUNNING for item in scheduled]
+        for i, proposal in enumerate(step.proposals):
+            if proposal is not None and live[i]:
                 accepted = len(new_tokens[i]) - 1
                 scheduled[i].request.spec.record(proposal.num_drafts, accepted)
                 self.spec_stats.record(proposal.num_drafts, accepted)
-        logprobs = self._logprobs(raw_logits, scheduled, slices, new_tokens)
-
-        outputs, context_items, flat = [], [], 0
+        logprobs = self._logprobs(step.raw_logits, scheduled, step.slices, new_tokens)
+        continued = {item.request.request_id for item in ahead.scheduled} if ahead is not None else set()
+        outputs, context_items, offset = [], [], 0
         for i, item in enumerate(scheduled):
             r = item.request
+            first, offset = offset, offset + rows[i].num_tokens       # the row's first captured row
+            if not live[i]:
+                continue
             start = r.num_computed_tokens
             # Positions whose K/V stay valid: the history computed now plus the accepted drafts; the
             # rest of the verified block is rolled back by not counting it.
             computed = item.num_new_tokens + max(0, len(new_tokens[i]) - 1)
-            if captured is not None:
-                context_items.append((r, start, captured[flat:flat + computed]))
-            flat += rows[i].num_tokens
+            if r.request_id in continued and item.num_spec_tokens:
+                r.num_draft_context = start + computed        # the next step's drafter graph stores it
+            elif step.captured is not None:
+                context_items.append((r, start, step.captured[first:first + computed]))
             r.num_computed_tokens = start + computed
             if r.first_token_time is None and new_tokens[i]:
                 r.first_token_time = time.monotonic()

@@ -89,6 +89,29 @@ def build_metadata(kv: KVCacheManager, space: int, rows: Sequence[Row], *, causa
     return positions, meta
 
 
+def device_metadata(kv: KVCacheManager, space: int, request_ids: Sequence[str], starts: torch.Tensor, width: int, *,
+                    causal: bool, backend: str) -> tuple[torch.Tensor, AttentionMetadata]:
+    """``build_metadata`` for rows of ``width`` tokens whose starts ``[B]`` are on the device (a step launched from
+    the previous step's results before the host has read them): the host sends the rows of the block tables
+    (whose pages it allocated for the longest block each row may reach), the device computes the rest."""
+    device = starts.device
+    tables = [kv.block_table(r, space) for r in request_ids]
+    mirror = kv.device_block_tables(space, device)
+    table_rows = upload(mirror.rows(request_ids, tables), torch.int64, device)
+    width_pages = max(len(t) for t in tables)
+    block_tables = mirror.table[table_rows, :width_pages]
+    positions = starts[:, None] + torch.arange(width, device=device)
+    page_size = kv.page_size
+    slots = block_tables.gather(1, positions // page_size).long() * page_size + positions % page_size
+    num_rows = len(request_ids)
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(num_rows + 1, dtype=torch.int32, device=device) * width,
+        seq_lens=(starts + width).int(), block_tables=block_tables, slot_mapping=slots.flatten(),
+        max_query_len=width, max_seq_len=width_pages * page_size, causal=causal, backend=backend,
+        decode_split_tiles=GRAPH_DECODE_SPLIT_TILES if width > 1 else None)
+    return positions.flatten(), meta
+
+
 def pack_inputs(ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
                 ) -> tuple[list[int], list[torch.Tensor]]:
     """A forward's ids, positions and attention metadata as a step message's integers and tensors."""
@@ -171,6 +194,20 @@ class ModelRunner:
             ints, tensors = pack_inputs(ids, positions, meta)
             self.tp.publish(OP_TARGET, ints + list(capture_layers), tensors + [index])
         return self._forward(ids, positions, meta, index, capture_layers)
+
+    @torch.inference_mode()
+    def metadata_ahead(self, request_ids: Sequence[str], starts: torch.Tensor, width: int
+                       ) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Positions and metadata of rows of ``width`` tokens whose starts are on the device (``device_metadata``)."""
+        return device_metadata(self.kv, self.target_space, request_ids, starts, width, causal=True,
+                               backend=self.backend)
+
+    @torch.inference_mode()
+    def run_ahead(self, width: int, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                  capture_layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``run`` through the graphs for rows of ``width`` tokens, every logit, with ``metadata_ahead``'s inputs."""
+        outputs = self.graphs.run(len(meta.seq_lens), width, ids, positions, meta)
+        return outputs[0], (outputs[1] if capture_layers else None)
 
     def _forward(self, ids, positions, meta, index, capture_layers) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden, captured = self.model.forward(ids, positions, self.layer_kv, meta, capture_layers)

@@ -3,15 +3,17 @@ and ``DFlashFactory``, the ``engine.SpeculatorFactory`` that gives an engine thi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 
+from engine.attention import AttentionMetadata
 from engine.cuda_graphs import StepGraphs
 from engine.llm import EngineConfig, kv_cache_dtype
 from engine.llm_engine import Proposal
 from engine.model import Qwen3Model
-from engine.model_runner import Row, build_metadata, layer_kv_of, pack_inputs, unpack_inputs
+from engine.model_runner import Row, build_metadata, device_metadata, layer_kv_of, pack_inputs, unpack_inputs
 from engine.parallel import OP_CLEAR, OP_DRAFT, OP_STORE, Message
 from engine.sampler import LogitsBlock, adjust_logits, draw, probabilities
 from engine.scheduler import ScheduledRequest
@@ -100,6 +102,29 @@ class DFlashSpeculator:
                 p[0].num_draft_context = p[1] + len(p[2])
                 self.contexts_in_graph += 1
         return logits
+
+    def can_draft_ahead(self, batch: int) -> bool:
+        return self.graphs is not None and self.tp is None and self.graphs.accepts(batch, self.num_spec_tokens + 1)
+
+    @torch.inference_mode()
+    def draft_ahead(self, request_ids: Sequence[str], anchors: torch.Tensor, starts: torch.Tensor,
+                    context: torch.Tensor, context_lens: torch.Tensor,
+                    target_metadata: tuple[torch.Tensor, AttentionMetadata]) -> torch.Tensor:
+        """``engine.Speculator.draft_ahead``: full blocks through the drafter graph, which stores the context rows
+        staged here (``_store_and_draft``) before drafting; greedy drafts."""
+        width = self.num_spec_tokens + 1
+        n = len(request_ids)
+        if self.space == self.kv.space_of(LayerOwner.TARGET):      # the unified pool: the same pages and slots
+            positions, meta = target_metadata[0], dataclasses.replace(target_metadata[1], causal=False)
+        else:
+            positions, meta = device_metadata(self.kv, self.space, request_ids, starts, width, causal=False,
+                                              backend=self.backend)
+        ids = torch.cat([anchors, anchors.new_full((n, width - 1), self.drafter.config.mask_token_id)], 1)
+        self._ctx_lens[:n].copy_(context_lens)
+        self._ctx_lens[n:self.graphs.padded(n)].zero_()
+        self._ctx_hidden[:n * width].copy_(context)
+        self.contexts_in_graph += n
+        return self.graphs.run(n, width, ids.flatten(), positions, meta)[0].argmax(-1)
 
     def _store_and_draft(self, ids, positions, meta, width: int) -> torch.Tensor:
         """The drafter graph's forward: store the staged context of each row (``_ctx_lens`` positions right before

@@ -92,13 +92,25 @@ def test_overlap_gives_the_synchronous_tokens_text_and_endings(demo_engines, mon
     for request_id, outs in seen.items():
         assert "".join(o.text_delta for _, o in outs) == got[request_id].text
         assert [t for _, o in outs for t in o.new_token_ids] == got[request_id].token_ids
-    # No position past a request's end is computed, but for those whose end the host read a step late: a
-    # request ended by its length (known at launch) never has its last token computed.
+    # At most one position past a request's end is computed (its last token, when the host read its end a step
+    # late), and none past the context: the request at the context limit never has its last token computed.
     for request_id, out in got.items():
         end = len(requests[request_id][0]) + len(out.token_ids) - 1     # the last token's position
-        assert computed[request_id] == (end - 1 if out.finish_reason == "length" else end), request_id
+        assert computed[request_id] in (end - 1, end), request_id
+    assert computed["3"] == 94
     assert on.num_overlapped_steps - before > 30
     assert off.num_overlapped_steps == 0
+    assert on.kv.pages_in_use() == 0 and not on.requests
+
+
+def test_no_step_is_launched_ahead_for_rows_that_all_end(demo_engines):
+    """A lone request of 10 tokens: the prefill gives the first, the decode steps the other 9, each but the first
+    launched ahead of the previous one's read; none after the step that surely ends it."""
+    on = demo_engines["on"]
+    before = on.num_overlapped_steps
+    got, _ = _run(on, {"a": (on.tokenizer.encode(PROMPTS[0]), SamplingParams(max_tokens=10, ignore_eos=True))})
+    assert len(got["a"].token_ids) == 10
+    assert on.num_overlapped_steps - before == 8
     assert on.kv.pages_in_use() == 0 and not on.requests
 
 
@@ -226,3 +238,91 @@ def test_the_engine_loop_streams_adds_and_aborts_between_overlapped_steps(demo_e
             (0, 0, False)
     finally:
         loop.shutdown()
+
+
+DEMO_DRAFTER = DEMO.parent / "drafter"
+
+
+def _spec_engine(mode: str, **kwargs):
+    """The demo pair through the graphs' static padded inputs (what a GPU replays; drafting ahead needs them)."""
+    from spec_decode import LLM as SpecLLM
+
+    engine = SpecLLM(DEMO, draft=DEMO_DRAFTER, overlap=mode, page_size=16, max_num_seqs=4, max_model_len=160,
+                     **kwargs).engine
+    engine.enable_cuda_graphs(capture=False)
+    return engine
+
+
+def test_speculative_steps_overlap_with_the_synchronous_tokens_and_acceptance():
+    """The drafter's steps one ahead of the host: each next block starts past the accepted tokens the host has not
+    read, its anchor the bonus token and its context the accepted positions' hidden states, stored by the drafter
+    graph. Ends by max_tokens, the context limit, a stop token and a stop string. Tokens, text, endings and every
+    step's acceptance equal the synchronous engine's; no context is left pending and no page in use."""
+    engines = {mode: _spec_engine(mode) for mode in ("off", "on")}
+    tok = engines["off"].tokenizer
+    ids = [tok.encode(p) for p in PROMPTS]
+    free, _ = _run(engines["off"], {"0": (ids[0], SamplingParams(max_tokens=40, ignore_eos=True))})
+    stop_token = free["0"].token_ids[12]
+    requests = {
+        "0": (ids[0], SamplingParams(max_tokens=60, stop_token_ids=[stop_token], ignore_eos=True)),
+        "1": (ids[1], SamplingParams(max_tokens=60, stop=["return"], ignore_eos=True)),
+        "2": (ids[2], SamplingParams(max_tokens=23, ignore_eos=True)),
+        "3": (ids[3], SamplingParams(max_tokens=400, ignore_eos=True)),        # ends at max_model_len
+    }
+    expected, _ = _run(engines["off"], requests)
+    assert expected["0"].finish_reason == "stop" and expected["0"].token_ids[-1] == stop_token
+    assert expected["3"].finish_reason == "length" and len(ids[3]) + len(expected["3"].token_ids) == 160
+    on = engines["on"]
+    # While a step runs ahead, the drafter graph stores the accepted context: nothing goes the eager way.
+    eager_stores = []
+    store = on.speculator.store_context
+
+    def recording(items):
+        if on._launched is not None:
+            eager_stores.append([r.request_id for r, _, _ in items])
+        return store(items)
+
+    on.speculator.store_context = recording
+    got, seen = _run(on, requests)
+    assert eager_stores == []
+
+    def summary(outs):
+        return {k: (_summary(v), v.acceptance_lengths) for k, v in outs.items()}
+
+    assert summary(got) == summary(expected)
+    assert max(al for out in got.values() for al in out.acceptance_lengths) > 3        # drafts were accepted
+    for request_id, outs in seen.items():
+        assert "".join(o.text_delta for _, o in outs) == got[request_id].text
+    assert on.num_overlapped_steps > 10 and engines["off"].num_overlapped_steps == 0
+    assert not on.speculator._pending and on.kv.pages_in_use() == 0 and not on.requests
+
+
+def test_speculative_overlap_breaks_for_newcomers_aborts_and_sampled_rows():
+    """Requests admitted and aborted while the drafter's steps run ahead, and a sampled request (its rows verify
+    by rejection sampling, not drafted ahead): the batch is read and rescheduled, and every surviving greedy
+    request's tokens equal its run alone (greedy speculation is lossless). Pages back to zero."""
+    alone_engine = _spec_engine("off")
+    tok = alone_engine.tokenizer
+    ids = [tok.encode(p) for p in PROMPTS]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    alone = {str(i): _run(alone_engine, {str(i): (p, params)})[0][str(i)].token_ids for i, p in enumerate(ids)}
+    on = _spec_engine("on")
+    sampled = SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True)
+
+    def add(engine):
+        engine.add_request(ids[2], params, request_id="2")
+
+    def abort(engine):
+        engine.abort("1")
+
+    def add_sampled(engine):
+        engine.add_request(ids[0], sampled, request_id="s")
+
+    got, seen = _run(on, {"0": (ids[0], params), "1": (ids[1], params)},
+                     events={3: add, 6: abort, 8: add_sampled})
+    assert set(got) == {"0", "2", "s"}
+    assert got["0"].token_ids == alone["0"] and got["2"].token_ids == alone["2"]
+    assert len(got["s"].token_ids) == 10
+    assert 0 < sum(len(o.new_token_ids) for _, o in seen["1"]) < 48
+    assert on.num_overlapped_steps > 3
+    assert not on.speculator._pending and on.kv.pages_in_use() == 0 and not on.requests
