@@ -62,6 +62,7 @@ def test_ray_cluster_yaml_has_gpu_workers():
 @pytest.mark.parametrize("data,field", [
     ({"model": {"page_size": 0}}, "model.page_size"),
     ({"model": {"kv_cache_dtype": "int3"}}, "model.kv_cache_dtype"),
+    ({"model": {"overlap": "sometimes"}}, "model.overlap"),
     ({"model": {"tensor_parallel_size": 3}}, "prefill tensor_parallel_size 3"),
     ({"decode": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}}, "decode.autoscaling"),
     ({"decode": {"num_replicas": 2, "autoscaling": {"max_replicas": 2}}}, "decode"),
@@ -94,6 +95,12 @@ def test_defaults_are_the_demo_pair_disaggregated():
     service = ServiceConfig()
     assert service.mode == "disaggregated" and service.model.model.endswith("models/demo/target")
     assert service.engine_roles() == ("prefill", "decode")
+    assert (service.model.engine_config().cuda_graphs, service.model.engine_config().overlap) == ("auto", "auto")
+
+
+def test_the_engine_settings_reach_the_engine_config():
+    config = parse_service_config({"model": {"cuda_graphs": "off", "overlap": "off"}}).model.engine_config()
+    assert (config.cuda_graphs, config.overlap) == ("off", "off")
 
 
 @pytest.mark.parametrize("mode,role,gpus,ok", [
