@@ -223,8 +223,8 @@ class LLMEngine:
         self.phase_seconds: dict[str, float] = {"draft": 0.0, "target": 0.0, "bookkeeping": 0.0}
         self.max_num_seqs = max_num_seqs
         self.graphs: list[StepGraphs] = []
-        # Overlap: a batch of plain decode rows launches its next step from the device's tokens before the host
-        # reads them, so scheduling, metadata, detokenization and outputs run while the device computes.
+        # Overlap: a batch of decode rows (plain or speculative) launches its next step from the device's results
+        # before the host reads them, so metadata, detokenization and outputs run while the device computes.
         self.overlap = use_overlap(overlap, model.device, model.tp is not None)
         self._launched: _Launched | None = None
         self._clock = self._phase_clock()
@@ -442,7 +442,8 @@ class LLMEngine:
         reads and processes the previous step's. A request that a token read then ends (EOS, a stop) had one more
         step computed for it, whose tokens are dropped and whose K/V lands past its end, in its own pages (never a
         full, shareable one; the pages go back at once, and what reuses them is queued behind it). A batch that
-        would change (a request admitted, aborted, at a length limit) is read first and scheduled as usual."""
+        would change (a request waiting, one gone, one near the context limit, every row ending) is read first and
+        scheduled as usual."""
         launched = self._launched
         if launched is None:
             plan = self.scheduler.schedule()
@@ -482,9 +483,9 @@ class LLMEngine:
                    for s in scheduled)
 
     def _launch_ahead(self, launched: _Launched) -> _Launched | None:
-        """The step after ``launched``, launched from its device tokens, when the batch stays as it is: nobody
-        waiting, no request gone, none that ``launched``'s tokens could end by length, a KV slot for every
-        position the next step may compute."""
+        """The step after ``launched``, launched from its device results, when the batch stays as it is: nobody
+        waiting, no request gone, none near the context limit, not every row ending by max_tokens, a KV slot for
+        every position the next step may compute."""
         rows = launched.scheduled
         if self.scheduler.waiting or len(self.scheduler.running) != len(rows):
             return None
