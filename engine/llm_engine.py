@@ -483,60 +483,68 @@ class LLMEngine:
                    for s in scheduled)
 
     def _launch_ahead(self, launched: _Launched) -> _Launched | None:
-        """The step after ``launched``, launched from its device results, when the batch stays as it is: nobody
-        waiting, no request gone, none near the context limit, not every row ending by max_tokens, a KV slot for
-        every position the next step may compute."""
-        rows = launched.scheduled
-        if self.scheduler.waiting or len(self.scheduler.running) != len(rows):
+        """The step after ``launched``, launched from its device results, for its rows still running (a finished or
+        aborted request leaves the batch), when nothing else changes: nobody waiting, no other request running,
+        none near the context limit, not every row ending by max_tokens, a KV slot for every position the next step
+        may compute."""
+        kept = [i for i, item in enumerate(launched.scheduled) if item.request.status == RequestStatus.RUNNING]
+        if not kept or self.scheduler.waiting or len(self.scheduler.running) != len(kept):
             return None
+        rows = [launched.scheduled[i].request for i in kept]
         step = self.speculator.num_spec_tokens + 1 if self.speculator is not None else 1   # tokens a row may gain
-        for item in rows:
-            r = item.request
-            if r.status != RequestStatus.RUNNING or r.num_computed_tokens + 2 * step >= self.max_model_len:
-                return None
+        if any(r.num_computed_tokens + 2 * step >= self.max_model_len for r in rows):
+            return None
         # A row that ``launched`` may end by max_tokens goes along (its next tokens are dropped if it did: a row's
         # work, where a synchronous step would expose the host's for the whole batch), unless every row surely ends.
-        if all(len(item.request.output_token_ids) + 1 >= item.request.params.max_tokens for item in rows):
+        if all(len(r.output_token_ids) + 1 >= r.params.max_tokens for r in rows):
             return None
         # Slots for the next step's history token (the lookahead covers its drafts); an allocation that fails
         # leaves the pages it did get with their requests, for the scheduler's next step.
-        if not all(self.kv.allocate_slots(item.request.request_id, item.request.num_computed_tokens + step + 1)
-                   for item in rows):
+        if not all(self.kv.allocate_slots(r.request_id, r.num_computed_tokens + step + 1) for r in rows):
             return None
         self.num_overlapped_steps += 1
         if self.speculator is None:
-            return self._plain_ahead(launched).start_copy()
-        return self._speculate_ahead(launched).start_copy()
+            return self._plain_ahead(launched, kept).start_copy()
+        return self._speculate_ahead(launched, kept).start_copy()
 
-    def _plain_ahead(self, launched: _Launched) -> _Launched:
-        """A decode step one position past each row's computed history, its ids the launched step's tokens: rows
-        in the order of those tokens (greedy rows, then sampled)."""
+    def _plain_ahead(self, launched: _Launched, kept: list[int]) -> _Launched:
+        """A decode step one position past each kept row's computed history, its ids the launched step's tokens:
+        rows in the order of those tokens (greedy rows, then sampled)."""
         choice = launched.choice
-        scheduled = [ScheduledRequest(launched.scheduled[i].request, 1) for i in choice.plain_order]
+        keep = set(kept)
+        at = [n for n, i in enumerate(choice.plain_order) if i in keep]       # the kept rows' tokens in ``flat``
+        ids = choice.flat if len(at) == len(choice.plain_order) else choice.flat[upload(at, torch.int64,
+                                                                                          choice.flat.device)]
+        scheduled = [ScheduledRequest(launched.scheduled[i].request, 1) for i in choice.plain_order if i in keep]
         rows = [Row(s.request.request_id, s.request.num_computed_tokens + 1, 1) for s in scheduled]
-        logits, _ = self.runner.run(rows, choice.flat, range(len(rows)))
+        logits, _ = self.runner.run(rows, ids, range(len(rows)))
         slices = [slice(i, i + 1) for i in range(len(rows))]
         proposals = [None] * len(rows)
         return _Launched(scheduled, rows, slices, proposals, self._choose_tokens(scheduled, slices, proposals, logits),
                          logits, None)
 
     @torch.inference_mode()
-    def _speculate_ahead(self, launched: _Launched) -> _Launched:
-        """A speculative step from the launched one's device results: each row's block starts one past its
-        accepted tokens, anchored at its bonus token; the drafter graph stores the accepted positions' context
-        first, then drafts; the target verifies; greedy acceptance on the device. The host sends only each row's
-        computed history length (the launched step's start) and block table row."""
+    def _speculate_ahead(self, launched: _Launched, kept: list[int]) -> _Launched:
+        """A speculative step from the launched one's device results, for its kept rows: each row's block starts
+        one past its accepted tokens, anchored at its bonus token; the drafter graph stores the accepted positions'
+        context first, then drafts; the target verifies; greedy acceptance on the device. The host sends only each
+        row's computed history length (the launched step's start) and block table row."""
         spec = self.speculator
         q = spec.num_spec_tokens + 1
-        scheduled = [ScheduledRequest(item.request, 1, q - 1) for item in launched.scheduled]
-        n = len(scheduled)
-        flat = launched.choice.flat
+        flat, captured = launched.choice.flat, launched.captured
+        n = len(launched.scheduled)
         tokens, num_accepted = flat[:n * q].view(n, q), flat[n * q:]
+        if len(kept) < n:
+            index = upload(kept, torch.int64, flat.device)
+            tokens, num_accepted = tokens[index], num_accepted[index]
+            captured = captured.reshape(n, q, -1)[index].flatten(0, 1)
+        scheduled = [ScheduledRequest(launched.scheduled[i].request, 1, q - 1) for i in kept]
+        n = len(scheduled)
         request_ids = [s.request.request_id for s in scheduled]
         starts = upload([s.request.num_computed_tokens for s in scheduled], torch.int64, flat.device) + num_accepted + 1
         anchors = tokens.gather(1, num_accepted[:, None])
         positions, meta = self.runner.metadata_ahead(request_ids, starts, q)
-        drafts = spec.draft_ahead(request_ids, anchors, starts, launched.captured, num_accepted + 1, (positions, meta))
+        drafts = spec.draft_ahead(request_ids, anchors, starts, captured, num_accepted + 1, (positions, meta))
         logits, captured = self.runner.run_ahead(q, torch.cat([anchors, drafts], 1).flatten(), positions, meta,
                                                  spec.capture_layers)
         new_tokens, accepted = accept_greedy(drafts, logits.argmax(-1).view(n, q))
