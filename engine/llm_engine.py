@@ -441,9 +441,9 @@ class LLMEngine:
         unchanged the step launches the next draft and forward from the device's tokens (and accept counts), then
         reads and processes the previous step's. A request that a token read then ends (EOS, a stop) had one more
         step computed for it, whose tokens are dropped and whose K/V lands past its end, in its own pages (never a
-        full, shareable one; the pages go back at once, and what reuses them is queued behind it). A batch that
-        would change (a request waiting, one gone, one near the context limit, every row ending) is read first and
-        scheduled as usual."""
+        full, shareable one; the pages go back at once, and what reuses them is queued behind it). A request that
+        ended leaves the batch ahead; a batch that would change otherwise (a request waiting or joining, one near
+        the context limit, every row ending) is read first and scheduled as usual."""
         launched = self._launched
         if launched is None:
             plan = self.scheduler.schedule()
