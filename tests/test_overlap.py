@@ -328,12 +328,18 @@ def test_speculative_overlap_breaks_for_newcomers_aborts_and_sampled_rows():
     assert not on.speculator._pending and on.kv.pages_in_use() == 0 and not on.requests
 
 
-@pytest.mark.parametrize("drafter", [False, True], ids=["plain", "speculative"])
+@pytest.mark.parametrize("drafter", [None, "on", "off"], ids=["plain", "speculative", "speculative-separate-pool"])
 def test_a_finished_request_leaves_the_batch_ahead_without_a_synchronous_step(drafter, demo_engines, monkeypatch):
     """Four requests of 12, 20, 28 and 36 tokens admitted together: after the prefill and the first launch, every
     step is launched ahead of the previous one's read, each finished request simply leaving the batch (no
-    synchronous step, no rescheduling). Tokens equal the synchronous engine's."""
-    off, on = (_spec_engine(m) for m in ("off", "on")) if drafter else (demo_engines["off"], demo_engines["on"])
+    synchronous step, no rescheduling). Tokens and every step's acceptance equal the synchronous engine's, with
+    the drafter's layers in the unified pool (the drafter reuses the verification's metadata) and in a pool of
+    their own (it computes its own)."""
+    if drafter:
+        off, on = (_spec_engine(m, shared_draft_kv=drafter) for m in ("off", "on"))
+        assert on.layout.unified == (drafter == "on")
+    else:
+        off, on = demo_engines["off"], demo_engines["on"]
     tok = off.tokenizer
     requests = {str(i): (tok.encode(p), SamplingParams(max_tokens=12 + 8 * i, ignore_eos=True))
                 for i, p in enumerate(PROMPTS)}
@@ -342,6 +348,10 @@ def test_a_finished_request_leaves_the_batch_ahead_without_a_synchronous_step(dr
     forward = on._forward
     monkeypatch.setattr(on, "_forward", lambda scheduled: forwards.append(len(scheduled)) or forward(scheduled))
     got, _ = _run(on, requests)
-    assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in expected.items()}
+
+    def summary(outs):
+        return {k: (v.token_ids, v.acceptance_lengths) for k, v in outs.items()}
+
+    assert summary(got) == summary(expected)
     assert forwards == [4, 4], forwards          # the prefill, then the first decode step; the rest ran ahead
     assert on.kv.pages_in_use() == 0 and not on.requests
