@@ -1,7 +1,8 @@
 """Pool memory a KV manager allocates and its rank worker maps: POSIX shared memory on CPU, CUDA IPC on GPU.
 
 The KV manager creates each segment and keeps its own mapping (the one NIXL registers); the worker maps
-the same memory from a picklable handle. Handles only travel between the two actors of one rank.
+the same memory from a picklable handle. CUDA handles also go to a peer's KV manager on the same device,
+which copies pages from its own mapping (``actors.nixl_transfer.PoolMapping``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from typing import Any
 import torch
 
 SHM_DIR = "/dev/shm"
+# ``torch.multiprocessing.reductions.rebuild_cuda_tensor``'s argument that names the device (by the exporting
+# process's index).
+STORAGE_DEVICE_ARG = 6
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ class SharedSegments:
         self.device = torch.device(device)
         self.prefix = f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.tensors: list[torch.Tensor] = []
+        self.handles: list[ShmHandle | CudaIpcHandle] = []
         self._paths: list[str] = []
 
     def create(self, nbytes: int) -> ShmHandle | CudaIpcHandle:
@@ -54,7 +59,8 @@ class SharedSegments:
             os.close(fd)
         self._paths.append(path)
         self.tensors.append(map_segment(ShmHandle(path, nbytes)))
-        return ShmHandle(path, nbytes)
+        self.handles.append(ShmHandle(path, nbytes))
+        return self.handles[-1]
 
     def _create_cuda(self, nbytes: int) -> CudaIpcHandle:
         from torch.multiprocessing.reductions import reduce_tensor
@@ -62,7 +68,14 @@ class SharedSegments:
         tensor = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         self.tensors.append(tensor)
         rebuild, args = reduce_tensor(tensor)
-        return CudaIpcHandle(rebuild, args, nbytes)
+        self.handles.append(CudaIpcHandle(rebuild, args, nbytes))
+        return self.handles[-1]
+
+    def export(self) -> PoolExport | None:
+        """The segments' handles for a reader on this node; None for shared memory (unlinked once mapped)."""
+        if self.device.type != "cuda":
+            return None
+        return PoolExport(device_uuid(self.device), tuple(self.handles))
 
     def unlink(self) -> None:
         """Remove the shm names once every process has mapped them; the memory lives until the last unmap."""
@@ -76,13 +89,36 @@ class SharedSegments:
     def close(self) -> None:
         self.unlink()
         self.tensors.clear()
+        self.handles.clear()
 
 
-def map_segment(handle: ShmHandle | CudaIpcHandle) -> torch.Tensor:
-    """The uint8 tensor over a segment, in this process."""
+def map_segment(handle: ShmHandle | CudaIpcHandle, device_index: int | None = None) -> torch.Tensor:
+    """The uint8 tensor over a segment, in this process. ``device_index``: this process's index of the CUDA device
+    the segment lives on, where it differs from the exporting process's (another CUDA_VISIBLE_DEVICES)."""
     if isinstance(handle, CudaIpcHandle):
-        return handle.rebuild(*handle.args)
+        args = handle.args
+        if device_index is not None:
+            if handle.rebuild.__name__ != "rebuild_cuda_tensor" or len(args) <= STORAGE_DEVICE_ARG:
+                raise RuntimeError(f"cannot map a CUDA IPC handle rebuilt by {handle.rebuild.__name__} elsewhere")
+            args = args[:STORAGE_DEVICE_ARG] + (device_index,) + args[STORAGE_DEVICE_ARG + 1:]
+        return handle.rebuild(*args)
     return torch.from_file(handle.path, shared=True, size=handle.nbytes, dtype=torch.uint8)
+
+
+def device_uuid(device: torch.device) -> str | None:
+    """A CUDA device's UUID (the same in every process, whatever its index there); None for a CPU."""
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device.index or 0).uuid)
+
+
+@dataclass(frozen=True)
+class PoolExport:
+    """What a KV manager gives a reader on its node: its pool segments' CUDA IPC handles, in ``RankInfo.groups``
+    order, and the device they live on."""
+
+    device_uuid: str
+    handles: tuple[CudaIpcHandle, ...]
 
 
 class SegmentAllocator:

@@ -9,6 +9,11 @@ layer's K (then V) head-major, ``[kv_heads, page_size, head_dim]`` (``kv.pool``)
 contiguous fragment per page, layer and K/V: (heads in the slice) x page_size x head_dim x element size bytes,
 built with numpy and coalesced where both sides are contiguous (K with V when the slice is every head on both
 sides, and a page with the next).
+
+A peer whose pools share this rank's GPU can be mapped into this process (``map_peer``, CUDA IPC): the same
+plan is then carried out by copies on the GPU (``copy_regions``) instead of a NIXL READ. Between two processes
+on one H200, UCX's ``cuda_ipc`` READ of a prompt's pages ran at 0.06-0.24x of a device-to-device copy
+(benchmarks/README.md); the leases and every check around a READ stay the same.
 """
 
 from __future__ import annotations
@@ -17,9 +22,10 @@ import asyncio
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
+import torch
 
 from kv.pool import KVPool
 from kv.rank_info import HeadSlice, RankInfo, check_peer, describe_pools, shared_slices
@@ -31,7 +37,8 @@ from kv.spec import LayerOwner
 # 1 GB/s measured on an H200); between processes on one GPU, or GPUs behind PCIe, the IPC copy is the fast
 # path. (A UCX_TLS without an active-message transport also needs the error handling mode "none", set below.)
 VRAM_UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
-READ_POLL_MAX_S = 1e-3     # the longest wait between two progress calls of a READ in flight
+READ_POLL_MAX_S = 1e-3
+COPY_SPIN_S = 5e-4         # the longest a mapped copy is polled for before its wait sleeps     # the longest wait between two progress calls of a READ in flight
 
 
 class TransferError(RuntimeError):
@@ -72,6 +79,11 @@ class NixlEndpoint:
         self.slices: dict[str, tuple[HeadSlice, ...] | None] = {}
         self._geometry = layer_geometry(self.rank_info)
         self._peer_geometry: dict[str, dict[str, LayerGeometry]] = {}
+        # Peers whose pools this process maps (same device): pages are copied from the mapping, not READ.
+        self.mapped: dict[str, PoolMapping] = {}
+        self._segments = [g.buffer.view(-1) for pool in self.pools for g in pool.groups]
+        self.copy_spin_s = COPY_SPIN_S
+        self._events: list = []        # finished copies' events, for reuse
 
     def add_peer(self, payload: str) -> str:
         """Check a peer's RankInfo and load its agent metadata; returns its agent name."""
@@ -91,60 +103,97 @@ class NixlEndpoint:
         self.slices[name] = slices
 
     def remove_peer(self, name: str) -> None:
+        self.mapped.pop(name, None)
         self.slices.pop(name, None)
         self._peer_geometry.pop(name, None)
         if self.peers.pop(name, None) is not None:
             self.agent.remove_remote_agent(name)
 
-    def _regions(self, info: RankInfo, tables: Sequence[Sequence[int]], owners) -> list[tuple[int, int, int]]:
-        """(address, length, device) per page region of ``tables`` (per space) in the rank ``info`` describes.
+    def map_peer(self, name: str, segments: Sequence[torch.Tensor]) -> None:
+        """Copy from registered peer ``name`` through ``segments``, this process's mapping of its pool groups (in
+        its RankInfo's group order), instead of NIXL READs."""
+        self.mapped[name] = PoolMapping(self.peers[name], segments)
+
+    def transport(self, peer_name: str) -> str:
+        """How pages move from ``peer_name``: "ipc" (copied from this process's mapping) or "nixl"."""
+        return "ipc" if peer_name in self.mapped else "nixl"
+
+    def _regions(self, info: RankInfo, tables: Sequence[Sequence[int]], owners) -> np.ndarray:
+        """``(address, length, device)`` rows, one per page and pool group of ``tables`` (per space), in the rank
+        ``info`` describes: per space, per group, pages in table order.
 
         Offsets come from this rank's own pools: registration checked that the peer's page layout is identical.
         """
         bases = {(g.space, g.group): (g.base_address, g.device_id) for g in info.groups}
-        regions = []
+        rows = []
         for space, (pool, table) in enumerate(zip(self.pools, tables)):
-            for page in table:
-                if not 0 <= page < pool.num_pages:
-                    raise TransferError(f"page {page} is outside space {space} of {info.agent_name} "
-                                        f"({pool.num_pages} pages)")
-            for group, offset, length in pool.page_regions(table, owners):
+            pages = np.asarray(table, dtype=np.int64)
+            bad = pages[(pages < 0) | (pages >= pool.num_pages)]
+            if len(bad):
+                raise TransferError(f"page {bad[0]} is outside space {space} of {info.agent_name} "
+                                    f"({pool.num_pages} pages)")
+            for group, start, length in pool.page_spans(owners):
                 base, device = bases[(space, group)]
-                regions.append((base + offset, length, device))
-        return regions
+                block = np.empty((len(pages), 3), dtype=np.int64)
+                block[:, 0] = base + start + pages * pool.groups[group].page_stride
+                block[:, 1] = length
+                block[:, 2] = device
+                rows.append(block)
+        return np.concatenate(rows) if rows else np.zeros((0, 3), dtype=np.int64)
 
-    async def read(self, peer_name: str, remote_tables: Sequence[Sequence[int]],
-                   local_tables: Sequence[Sequence[int]], owners: Sequence[LayerOwner], timeout_s: float,
-                   delay_s: float = 0.0, op: str = "READ") -> tuple[int, int]:
-        """READ the peer's pages into ours (target and/or draft layers); returns (bytes, descriptors).
-
-        Regions adjacent on both sides go as one descriptor. Raises TransferError on failure or timeout;
-        it returns or raises only once the READ can no longer write into the local pages.
-        ``delay_s`` holds the READ open that long after posting it (fault injection for tests).
-        ``op="WRITE"`` moves the same pages the other way, ours into the peer's (only benchmarks use it).
-        """
+    def plan(self, peer_name: str, remote_tables: Sequence[Sequence[int]], local_tables: Sequence[Sequence[int]],
+             owners: Sequence[LayerOwner]) -> tuple[np.ndarray, np.ndarray]:
+        """What moving these pages (or this rank's kv-head slices of them) takes: ``(address, length, device)``
+        rows, local and remote, regions adjacent on both sides coalesced. Remote addresses are the peer's own
+        (NIXL), or this process's mapping of its pools (``map_peer``)."""
         peer = self.peers.get(peer_name)
         if peer is None:
             raise TransferError(f"peer {peer_name!r} is not registered with {self.name}")
         if [len(t) for t in remote_tables] != [len(t) for t in local_tables]:
             raise TransferError(f"page counts differ: remote {[len(t) for t in remote_tables]}, "
                                 f"local {[len(t) for t in local_tables]}")
+        mapping = self.mapped.get(peer_name)
         slices = self.slices.get(peer_name)
         if slices is None:
-            local, remote = coalesce(self._regions(self.rank_info, local_tables, owners),
-                                     self._regions(peer, remote_tables, owners))
+            local, remote = coalesce_arrays(self._regions(self.rank_info, local_tables, owners),
+                                            self._regions(mapping.info if mapping else peer, remote_tables, owners))
             if self.max_descriptor_bytes:
                 local, remote = split_regions(local, self.max_descriptor_bytes), \
                     split_regions(remote, self.max_descriptor_bytes)
-            nbytes = sum(length for _, length, _ in local)
-        else:
-            wanted = {owner.value for owner in owners}
-            chosen = [s for s in slices if peer.layer_map[s.layer].owner in wanted]
-            local, remote = coalesce_arrays(*slice_regions(chosen, self._geometry, self._peer_geometry[peer_name],
-                                                           local_tables, remote_tables, peer_name))
-            nbytes = int(local[:, 1].sum())
-            if not len(local):
-                return 0, 0
+            return local, remote
+        wanted = {owner.value for owner in owners}
+        chosen = [s for s in slices if peer.layer_map[s.layer].owner in wanted]
+        geometry = mapping.geometry if mapping else self._peer_geometry[peer_name]
+        return coalesce_arrays(*slice_regions(chosen, self._geometry, geometry, local_tables, remote_tables,
+                                              peer_name))
+
+    async def read(self, peer_name: str, remote_tables: Sequence[Sequence[int]],
+                   local_tables: Sequence[Sequence[int]], owners: Sequence[LayerOwner], timeout_s: float,
+                   delay_s: float = 0.0, op: str = "READ", plan: tuple[np.ndarray, np.ndarray] | None = None,
+                   split: dict[str, float] | None = None) -> tuple[int, int]:
+        """READ the peer's pages into ours (target and/or draft layers); returns (bytes, descriptors: NIXL's, or
+        the copies launched from a mapped peer).
+
+        Raises TransferError on failure or timeout; it returns or raises only once the READ can no longer write
+        into the local pages. ``delay_s`` holds the READ open that long after posting it (fault injection for
+        tests). ``op="WRITE"`` moves the same pages the other way with NIXL, ours into the peer's (only
+        benchmarks use it). ``plan``: ``self.plan(...)`` of the same arguments, made earlier (the reader plans
+        while its lease check is in flight). ``split`` receives the seconds spent planning, posting and waiting.
+        """
+        split = {} if split is None else split
+        if plan is None:
+            start = time.perf_counter()
+            plan = self.plan(peer_name, remote_tables, local_tables, owners)
+            split["plan_s"] = time.perf_counter() - start
+        local, remote = plan
+        if not len(local):
+            return 0, 0
+        nbytes = int(local[:, 1].sum())
+        mapping = self.mapped.get(peer_name)
+        if mapping is not None and op == "READ":
+            return nbytes, await self._copy(mapping, local, remote, delay_s, split)
+        posted = time.perf_counter()
+        peer = self.peers[peer_name]
         try:
             local_descs = self.agent.get_xfer_descs(local, self.memory_type)
             remote_descs = self.agent.get_xfer_descs(remote, peer.memory_type)
@@ -152,6 +201,8 @@ class NixlEndpoint:
             state = self.agent.transfer(handle)
         except Exception as e:      # nixl raises its own error types for invalid descriptors or peers
             raise TransferError(f"READ of {len(remote)} regions from {peer_name} could not start: {e}") from e
+        waiting = time.perf_counter()
+        split["post_s"] = waiting - posted
         deadline = time.monotonic() + timeout_s
         wait = 0.0
         try:
@@ -169,12 +220,42 @@ class NixlEndpoint:
         finally:
             # Releasing a handle still in flight aborts the transfer; only then may the caller free pages.
             self.agent.release_xfer_handle(handle)
+            split["wait_s"] = time.perf_counter() - waiting
         return nbytes, len(local)
+
+    async def _copy(self, mapping: PoolMapping, local: np.ndarray, remote: np.ndarray, delay_s: float,
+                    split: dict[str, float]) -> int:
+        """Copy the planned regions from a mapped peer on this rank's device; returns the copies launched. On a
+        GPU a short copy is polled for, a long one waited for asleep (a blocking-sync event, in a thread): the
+        event loop goes on serving leases meanwhile. A copy cannot be aborted, so there is no timeout: it ends."""
+        device = self.pools[0].device
+        posted = time.perf_counter()
+        # This process runs nothing else on the GPU: its current stream is the copies' own.
+        launched = copy_regions(local, remote, self._segments, mapping.segments)
+        done = None
+        if device.type == "cuda":
+            done = self._events.pop() if self._events else torch.cuda.Event(blocking=True)
+            done.record(torch.cuda.current_stream(device))
+        waiting = time.perf_counter()
+        if delay_s:
+            await asyncio.sleep(delay_s)
+        if done is not None:
+            # A prompt's pages copy in a fraction of a millisecond: poll for that long on this thread (a thread
+            # hop and a blocking-sync wake-up cost about as much again), then sleep in a thread until the end.
+            spin_until = time.perf_counter() + self.copy_spin_s
+            while not done.query() and time.perf_counter() < spin_until:
+                pass
+            if not done.query():
+                await asyncio.to_thread(done.synchronize)
+            self._events.append(done)
+        split.update(post_s=waiting - posted, wait_s=time.perf_counter() - waiting)
+        return launched
 
     def close(self) -> None:
         for name in list(self.peers):
             self.agent.remove_remote_agent(name)
         self.peers.clear()
+        self.mapped.clear()
         self.agent.deregister_memory(self._registered)
 
 
@@ -245,7 +326,8 @@ def slice_regions(slices: Sequence[HeadSlice], local: Mapping[str, LayerGeometry
 
 
 def coalesce_arrays(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``coalesce`` for row arrays ``(address, length, device)`` of equal lengths, without a Python loop."""
+    """Merge consecutive row pairs (``(address, length, device)`` rows, local and remote) that are contiguous on
+    both sides into one descriptor pair."""
     if len(local) < 2:
         return local, remote
     ends_l, ends_r = local[:-1, 0] + local[:-1, 1], remote[:-1, 0] + remote[:-1, 1]
@@ -259,29 +341,96 @@ def coalesce_arrays(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, 
     return merged_l, merged_r
 
 
-def split_regions(regions: Sequence[tuple[int, int, int]], size: int) -> list[tuple[int, int, int]]:
-    """``(address, length, device)`` regions cut into pieces of at most ``size`` bytes, in order."""
+def split_regions(regions: np.ndarray, size: int) -> np.ndarray:
+    """``(address, length, device)`` rows cut into pieces of at most ``size`` bytes, in order."""
     out = []
-    for address, length, device in regions:
+    for address, length, device in regions.tolist():
         for start in range(0, length, size):
             out.append((address + start, min(size, length - start), device))
-    return out
+    return np.asarray(out, dtype=np.int64).reshape(-1, 3)
 
 
-def coalesce(local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]]
-             ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-    """Merge consecutive region pairs that are contiguous on both sides into one descriptor pair."""
-    out_local: list[list[int]] = []
-    out_remote: list[list[int]] = []
-    for (la, length, ld), (ra, rlength, rd) in zip(local, remote):
-        if rlength != length:
-            raise TransferError(f"region sizes differ: local {length}, remote {rlength}")
-        if out_local:
-            pl, pr = out_local[-1], out_remote[-1]
-            if pl[0] + pl[1] == la and pr[0] + pr[1] == ra and pl[2] == ld and pr[2] == rd:
-                pl[1] += length
-                pr[1] += length
-                continue
-        out_local.append([la, length, ld])
-        out_remote.append([ra, length, rd])
-    return [tuple(x) for x in out_local], [tuple(x) for x in out_remote]
+class PoolMapping:
+    """A peer rank's pool groups mapped into this process (CUDA IPC on one device): its RankInfo and layer
+    geometry with this process's addresses, so that a plan names memory this process can copy from."""
+
+    def __init__(self, info: RankInfo, segments: Sequence[torch.Tensor]):
+        if len(segments) != len(info.groups):
+            raise TransferError(f"{info.agent_name}: {len(segments)} mapped segments for {len(info.groups)} "
+                                "pool groups")
+        groups = []
+        for g, segment in zip(info.groups, segments):
+            if segment.dtype != torch.uint8 or segment.numel() < g.page_stride * g.num_pages:
+                raise TransferError(f"{info.agent_name}: the segment mapped for space {g.space} group {g.group} "
+                                    f"has {segment.numel()} {segment.dtype} elements; its pages take "
+                                    f"{g.page_stride * g.num_pages} bytes")
+            groups.append(replace(g, base_address=segment.data_ptr()))
+        self.segments = [segment.view(-1) for segment in segments]
+        self.info = replace(info, groups=tuple(groups))
+        self.geometry = layer_geometry(self.info)
+
+
+MANY_COPIES = 8        # from this many equal regions between two segments on: one gather and one scatter
+
+
+def _locate(rows: np.ndarray, segments: Sequence[torch.Tensor], side: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the segment holding it and its byte offset there (TransferError for memory outside them)."""
+    bases = np.array([s.data_ptr() for s in segments], dtype=np.int64)
+    sizes = np.array([s.numel() for s in segments], dtype=np.int64)
+    order = np.argsort(bases)
+    position = np.searchsorted(bases[order], rows[:, 0], side="right") - 1
+    index = order[np.maximum(position, 0)]
+    offsets = rows[:, 0] - bases[index]
+    if (position < 0).any() or (offsets + rows[:, 1] > sizes[index]).any():
+        raise TransferError(f"a {side} region lies outside the mapped pools")
+    return index, offsets
+
+
+def copy_regions(local: np.ndarray, remote: np.ndarray, local_segments: Sequence[torch.Tensor],
+                 remote_segments: Sequence[torch.Tensor]) -> int:
+    """Copy each remote row's bytes to its local row (``(address, length, device)`` rows, as ``plan`` makes
+    them, addresses inside the given uint8 segments); returns the copies launched. Between two segments, many
+    regions of one length at offsets that are multiples of it (scattered whole pages, head slices) go as one
+    gather and one scatter of rows; others one copy each."""
+    if len(local) < MANY_COPIES:
+        return _copy_each(local.tolist(), remote.tolist(), local_segments, remote_segments)
+    into, local_offsets = _locate(local, local_segments, "local")
+    source, remote_offsets = _locate(remote, remote_segments, "remote")
+    lengths = local[:, 1]
+    launched = 0
+    for dst_index, src_index in sorted(set(zip(into.tolist(), source.tolist()))):
+        rows = np.flatnonzero((into == dst_index) & (source == src_index))
+        dst, src = local_segments[dst_index], remote_segments[src_index]
+        size = int(lengths[rows[0]])
+        lo, ro = local_offsets[rows], remote_offsets[rows]
+        if len(rows) >= MANY_COPIES and (lengths[rows] == size).all() and not (lo % size).any() \
+                and not (ro % size).any():
+            dst_rows = dst[:dst.numel() // size * size].view(-1, size)
+            src_rows = src[:src.numel() // size * size].view(-1, size)
+            at = torch.from_numpy(lo // size).to(dst.device, non_blocking=True)
+            take = torch.from_numpy(ro // size).to(src.device, non_blocking=True)
+            dst_rows.index_copy_(0, at, src_rows.index_select(0, take))
+            launched += 2
+            continue
+        for row, d, r in zip(rows.tolist(), lo.tolist(), ro.tolist()):
+            n = int(lengths[row])
+            dst[d:d + n].copy_(src[r:r + n], non_blocking=True)
+            launched += 1
+    return launched
+
+
+def _copy_each(local: list, remote: list, local_segments: Sequence[torch.Tensor],
+               remote_segments: Sequence[torch.Tensor]) -> int:
+    """``copy_regions`` for a few rows (a prompt's pages in runs), without numpy: every row is located first."""
+    def find(segments, address, length, side):
+        for segment in segments:
+            offset = address - segment.data_ptr()
+            if 0 <= offset and offset + length <= segment.numel():
+                return segment, offset
+        raise TransferError(f"a {side} region lies outside the mapped pools")
+
+    copies = [(find(local_segments, la, n, "local"), find(remote_segments, ra, n, "remote"), n)
+              for (la, n, _), (ra, _, _) in zip(local, remote)]
+    for (dst, d), (src, r), n in copies:
+        dst[d:d + n].copy_(src[r:r + n], non_blocking=True)
+    return len(copies)

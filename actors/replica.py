@@ -132,14 +132,15 @@ class EngineReplica:
 
     def __init__(self, config: EngineConfig, *, tp_size: int = 1, num_threads: int = 1,
                  hold_timeout_s: float = 30.0, transfer_draft_kv: bool = True, read_timeout_s: float = 10.0,
-                 reserve_timeout_s: float = 10.0, read_delay_s: float = 0.0):
+                 reserve_timeout_s: float = 10.0, read_delay_s: float = 0.0, kv_transport: str = "auto"):
         self.config = config
         self.transfer_draft_kv = transfer_draft_kv
         self.read_timeout_s = read_timeout_s
         self.reserve_timeout_s = reserve_timeout_s
         self.hold_timeout_s = hold_timeout_s
         self.group = RankGroup(self.role, config, transfers=self.transfers, tp_size=tp_size,
-                               hold_timeout_s=hold_timeout_s, num_threads=num_threads, read_delay_s=read_delay_s)
+                               hold_timeout_s=hold_timeout_s, num_threads=num_threads, read_delay_s=read_delay_s,
+                               kv_transport=kv_transport)
         self.replica_id = self.group.name
         self.engine = self.group.worker.engine
         self.loop = self.group.worker.loop
@@ -430,7 +431,9 @@ class DecodeReplica(EngineReplica):
                 ticket.cancel()
             if error is None:
                 stats.update(bytes=sum(r["bytes"] for r in reads), seconds=max(r["seconds"] for r in reads),
-                             lease_seconds=max(r["lease_seconds"] for r in reads), descriptors=sum(r["descriptors"] for r in reads), tables=tables)
+                             lease_seconds=max(r["lease_seconds"] for r in reads),
+                             descriptors=sum(r["descriptors"] for r in reads), tables=tables,
+                             transport="+".join(sorted({r["transport"] for r in reads})))
         finally:
             self.num_awaiting_transfer -= 1
         landed, draft = error is None, self.transfer_draft_kv

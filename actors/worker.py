@@ -145,7 +145,8 @@ class RankGroup:
     """
 
     def __init__(self, role: str, config: EngineConfig, *, transfers: bool, tp_size: int = 1,
-                 hold_timeout_s: float = 30.0, num_threads: int = 1, read_delay_s: float = 0.0):
+                 hold_timeout_s: float = 30.0, num_threads: int = 1, read_delay_s: float = 0.0,
+                 kv_transport: str = "auto"):
         import ray
 
         from actors.kv_manager import KVManagerActor
@@ -163,7 +164,8 @@ class RankGroup:
                     num_gpus=KV_MANAGER_GPU_SHARE if gpu else 0, scheduling_strategy=_beside_me(tp_rank),
                     max_restarts=0,
                 ).remote(self.agent_name(tp_rank), device=config.device, tp_size=tp_size, tp_rank=tp_rank,
-                         hold_timeout_s=hold_timeout_s, num_threads=num_threads, read_delay_s=read_delay_s))
+                         hold_timeout_s=hold_timeout_s, num_threads=num_threads, read_delay_s=read_delay_s,
+                         transport=kv_transport))
         address = None
         if tp_size > 1:
             address = _free_address()

@@ -4,11 +4,12 @@
 
 Three parts, in one Ray cluster on the machine, each printing a table (and all of it in ``--out``/result.json):
 
-1. ``pages``: page READs between two KV-manager actors whose pools are in GPU memory and registered with NIXL
+1. ``pages``: page moves between two KV-manager actors whose pools are in GPU memory and registered with NIXL
    as VRAM, in Qwen3-8B-shaped pools (36 FP8 target layers + 5 BF16 draft layers, 8 kv heads x 128, page 16),
    for the pages of a 2,000-token and a 32k-token prompt, contiguous (one descriptor per pool group) and, for
-   the short prompt, scattered (every other page: one descriptor per page and group). Against the floor: a
-   device-to-device copy of the same bytes in one process, timed in the same run.
+   the short prompt, scattered (every other page: one descriptor per page and group); each as a NIXL READ and
+   as the copy from the reader's CUDA IPC mapping of the source pools (``kv_transport: auto``). Against the
+   floor: a device-to-device copy of the same bytes in one process, timed in the same run.
 2. ``service``: for each dtype (float32, bfloat16, and bfloat16 with FP8 target KV beside the BF16 draft KV),
    the demo pair deployed three ways on the one GPU
    (``cluster_configs/disagg_1gpu.yaml``'s shares): aggregated, disaggregated (one prefill + one decode
@@ -111,6 +112,8 @@ def _read_rows(managers, infos, probe, device, token_counts, total_pages, page_s
     ray.get(src.fill.remote(1))
     agent = ray.get(dst.register_peer.remote(infos[0], src))
     dst_agent = ray.get(src.register_peer.remote(infos[1]))      # for the WRITE rows: src pushes into dst
+    if not ray.get(dst.use_mapping.remote(agent, True)):       # host memory: nothing to copy from but NIXL
+        ops = [op for op in ops if op != "COPY"]
     rows = []
     for poll, split, tokens in [(p, s, t) for p in polls for s in splits for t in token_counts]:
         if poll is not None:
@@ -124,27 +127,31 @@ def _read_rows(managers, infos, probe, device, token_counts, total_pages, page_s
         floor_s = copy_floor(nbytes, device, repeats)
         for (op, pattern), (remote, local) in [((op, k), v) for op in ops for k, v in patterns.items()]:
             ray.get(dst.fill.remote(0))
-            seconds, descriptors = [], set()
+            seconds, descriptors, splits = [], set(), []
             for i in range(repeats + 1):      # the first READ also maps the peer's memory: not counted
                 key = f"{pattern}-{tokens}-{poll}-{split}-{i}"
                 if op == "WRITE":
                     stats = ray.get(src.write.remote(dst_agent, [remote], [local]))
                 else:
+                    ray.get(dst.use_mapping.remote(agent, op == "COPY"))
                     lease = ray.get(src.hold.remote(key, f"lease-{key}", 60.0))
                     stats = ray.get(dst.read.remote(lease, agent, [remote], [local], True, 20.0))
                 assert stats["bytes"] == nbytes, stats
                 seconds.append(stats["seconds"])
+                splits.append(stats.get("split", {}))
                 descriptors.add(stats["descriptors"])
             landed = ray.get(dst.region_sum.remote([local])) == nbytes     # every source byte is 1
             read_s = statistics.median(seconds[1:])
-            rows.append({"op": op, "ucx": label, "poll_max_us": None if poll is None else poll * 1e6, "split_MB": split / 2**20,
+            rows.append({"op": op, "transport": stats.get("transport", "nixl"), "ucx": label, "poll_max_us": None if poll is None else poll * 1e6, "split_MB": split / 2**20,
                          "tokens": tokens,
                          "pattern": pattern, "pages": n, "bytes": nbytes,
                          "descriptors": sorted(descriptors), "bytes_landed": landed,
                          "read_ms": round(read_s * 1e3, 3), "copy_ms": round(floor_s * 1e3, 3),
                          "read_GB_per_s": round(nbytes / read_s / 1e9, 1),
                          "copy_GB_per_s": round(nbytes / floor_s / 1e9, 1),
-                         "read_vs_copy": round(floor_s / read_s, 3)})
+                         "read_vs_copy": round(floor_s / read_s, 3),
+                         "split_ms": {k: round(statistics.median(s.get(k, 0.0) for s in splits[1:]) * 1e3, 3)
+                                      for k in ("plan_s", "post_s", "wait_s")}})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -202,7 +209,18 @@ def invariants(urls: dict[str, str], prompts: list[str], max_tokens: int) -> dic
             "per_step_al_disagg_equal_agg": [a for _, a in disagg] == [a for _, a in agg],
             "tokens_ablation_equal_agg": [t for t, _ in ablate] == [t for t, _ in agg],
             "mean_al": {name: round(mean_al(rows), 3) for name, rows in results.items()},
-            "pages_in_use_after": dict(zip(urls, wait_pages_free(list(urls.values()))))}
+            "pages_in_use_after": dict(zip(urls, wait_pages_free(list(urls.values())))),
+            "transfers_by_transport": {name: transports(url) for name, url in urls.items() if name != "agg"}}
+
+
+def transports(url: str) -> dict[str, float]:
+    """``dflash_kv_transfers_total`` of one application, per transport label."""
+    import httpx
+
+    from tests.test_serve_support import metric_samples, metric_sum
+
+    samples = metric_samples(httpx.get(f"{url}/metrics", timeout=30).text)
+    return {t: metric_sum(samples, "dflash_kv_transfers_total", transport=t) for t in ("nixl", "ipc")}
 
 
 def throughput(urls: dict[str, str], concurrencies: list[int], repeats: int, output_len: int) -> list[dict]:
@@ -269,8 +287,9 @@ def main() -> int:
                    help="the reader's longest wait (s) between progress calls of a READ, each in turn")
     p.add_argument("--split-mb", type=float, nargs="+", default=None,
                    help="cut coalesced regions into descriptors of at most this many MiB, each in turn (0: no cut)")
-    p.add_argument("--ops", nargs="+", default=["READ"], choices=["READ", "WRITE"],
-                   help="READ: the decode side pulls (what the service does); WRITE: the source pushes, for comparison")
+    p.add_argument("--ops", nargs="+", default=["READ", "COPY"], choices=["READ", "COPY", "WRITE"],
+                   help="READ: the decode side pulls with NIXL; COPY: it copies from its CUDA IPC mapping of the "
+                        "source pools (what kv_transport auto does on one GPU); WRITE: the source pushes with NIXL")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "bfloat16:fp8"],
                    help="weights dtype[:target KV dtype] of each service check; the first one's apps are timed")
     p.add_argument("--num-prompts", type=int, default=8)
@@ -358,20 +377,23 @@ def print_tables(result: dict) -> None:
 
     print(f"\n{result['device']}, {result['config']}")
     if result.get("pages"):
-        print("\n| op | UCX | poll max us | split MiB | prompt tokens | pages | pattern | MB | descriptors | READ ms | copy ms | READ / copy speed | landed |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("\n| op | transport | UCX | poll max us | split MiB | prompt tokens | pages | pattern | MB | descriptors | "
+              "move ms | plan / post / wait ms | copy ms | move / copy speed | landed |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in result["pages"]:
             if "error" in r:
                 print(f"| {r['ucx']} | failed: {r['error'][-120:]} |")
                 continue
             poll = READ_POLL_MAX_S * 1e6 if r["poll_max_us"] is None else r["poll_max_us"]
-            print(f"| {r['op']} | {r['ucx']} | {poll:g} | {r['split_MB']:g} | {r['tokens']} | {r['pages']} | {r['pattern']} | {r['bytes'] / 1e6:.1f} | "
-                  f"{','.join(map(str, r['descriptors']))} | {r['read_ms']} | {r['copy_ms']} | {r['read_vs_copy']} | "
+            print(f"| {r['op']} | {r.get('transport', 'nixl')} | {r['ucx']} | {poll:g} | {r['split_MB']:g} | {r['tokens']} | {r['pages']} | {r['pattern']} | {r['bytes'] / 1e6:.1f} | "
+                  f"{','.join(map(str, r['descriptors']))} | {r['read_ms']} | "
+                  f"{' / '.join(str(v) for v in r.get('split_ms', {}).values())} | {r['copy_ms']} | {r['read_vs_copy']} | "
                   f"{r['bytes_landed']} |")
     for dtype, s in result.get("service", {}).items():
         print(f"\n{dtype}: tokens disagg == agg {s['tokens_disagg_equal_agg']}, per-step AL disagg == agg "
               f"{s['per_step_al_disagg_equal_agg']}, ablation tokens == agg {s['tokens_ablation_equal_agg']}, "
-              f"mean AL {s['mean_al']}, pages in use after {s['pages_in_use_after']}")
+              f"mean AL {s['mean_al']}, pages in use after {s['pages_in_use_after']}, transfers by transport "
+              f"{s.get('transfers_by_transport')}")
     if result.get("throughput"):
         print("\n" + result["throughput"]["table"])
 

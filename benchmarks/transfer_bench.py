@@ -14,11 +14,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import ray
 import torch
 
 from actors.kv_manager import KVManagerActor
-from actors.nixl_transfer import coalesce
+from actors.nixl_transfer import coalesce_arrays
 from actors.offline import ReplicaActor, encode_prompts, run_disaggregated
 from actors.replica import AggregatedReplica, DecodeReplica, PrefillReplica
 from engine.llm import EngineConfig
@@ -59,6 +60,15 @@ class BenchKVManager(KVManagerActor):
 
     def set_max_descriptor_bytes(self, size: int) -> None:
         self.endpoint.max_descriptor_bytes = size
+
+    def use_mapping(self, peer_name: str, on: bool) -> bool:
+        """Copy from a mapped peer (on) or READ it with NIXL (off); False when the peer is not mapped."""
+        stash = self.__dict__.setdefault("_unmapped", {})
+        if on and peer_name in stash:
+            self.endpoint.mapped[peer_name] = stash.pop(peer_name)
+        elif not on and peer_name in self.endpoint.mapped:
+            stash[peer_name] = self.endpoint.mapped.pop(peer_name)
+        return peer_name in self.endpoint.mapped or peer_name in stash
 
     async def write(self, peer_name: str, local_tables: list[list[int]], remote_tables: list[list[int]]) -> dict:
         """WRITE our pages into a registered peer's (no lease: the benchmark owns both pools)."""
@@ -153,9 +163,9 @@ def bandwidth(num_pages: int, repeats: int) -> dict:
         landed = ray.get(dst.region_sum.remote(local)) == nbytes     # every source byte is 1
 
         # The same regions as NIXL's descriptors (coalesced the same way), one copy_ each, inside one process.
-        src_regions = [(off, n, g) for g, off, n in probe.page_regions(remote[0])]
-        dst_regions = [(off, n, g) for g, off, n in probe.page_regions(local[0])]
-        dst_desc, src_desc = coalesce(dst_regions, src_regions)
+        src_regions = np.array([(off, n, g) for g, off, n in probe.page_regions(remote[0])], dtype=np.int64)
+        dst_regions = np.array([(off, n, g) for g, off, n in probe.page_regions(local[0])], dtype=np.int64)
+        dst_desc, src_desc = (rows.tolist() for rows in coalesce_arrays(dst_regions, src_regions))
         flats = [g.buffer.view(-1) for g in probe.groups]
         memcpy_s = []
         for _ in range(repeats + 1):

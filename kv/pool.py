@@ -126,17 +126,22 @@ class KVPool:
 
         With both owners a page of a group is one region; with target only it is the target prefix.
         """
-        regions = []
+        return [(group_index, page * self.groups[group_index].page_stride + start, length)
+                for group_index, start, length in self.page_spans(owners) for page in page_ids]
+
+    def page_spans(self, owners: Sequence[LayerOwner] = (LayerOwner.TARGET, LayerOwner.DRAFT)
+                   ) -> list[tuple[int, int, int]]:
+        """``(group, byte offset inside a page, length)`` of the chosen layers' run in each group's pages (groups
+        without one are left out)."""
+        spans = []
         for group_index, group in enumerate(self.groups):
             n_target = group.num_layers_of(LayerOwner.TARGET)
             first = 0 if LayerOwner.TARGET in owners else n_target
             last = len(group.layers) if LayerOwner.DRAFT in owners else n_target
-            if last <= first:
-                continue
-            length = (last - first) * group.page_bytes_per_layer
-            for page in page_ids:
-                regions.append((group_index, page * group.page_stride + first * group.page_bytes_per_layer, length))
-        return regions
+            if last > first:
+                spans.append((group_index, first * group.page_bytes_per_layer,
+                              (last - first) * group.page_bytes_per_layer))
+        return spans
 
     def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy whole pages (every layer) ``src -> dst``; used when a forked request writes a shared page."""

@@ -151,6 +151,9 @@ class ServiceConfig(_Strict):
     prefill: DeploymentSettings = Field(default_factory=DeploymentSettings)
     decode: DeploymentSettings = Field(default_factory=DeploymentSettings)
     transfer_draft_kv: bool = True                   # False: the ablation (decode drafts from an empty context)
+    # How a decode rank moves a prefill rank's pages: "auto" copies them from its CUDA IPC mapping of the prefill
+    # pools when both share a GPU, and READs them with NIXL otherwise; "nixl" always READs with NIXL.
+    kv_transport: Literal["auto", "nixl"] = "auto"
     hold_timeout_s: float = Field(30.0, gt=0)        # prefill pages wait this long for their READ
     max_concurrent_requests: int = Field(256, ge=1)  # choices (prompts x n) per ingress replica; beyond: 429
     max_request_bytes: int = Field(1 << 20, ge=1024)  # a larger request body is refused (413) unread

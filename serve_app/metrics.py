@@ -112,14 +112,16 @@ class ServiceMetrics:
                               buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("dflash_e2e_request_latency_seconds", "End-to-end request latency", m,
                              buckets=E2E_BUCKETS, registry=r)
-        self.transfers = Counter("dflash_kv_transfers", "Prefill-to-decode KV transfers", m, registry=r)
+        # transport: "nixl" (READs), "ipc" (copies from a mapping of prefill pools on the same GPU)
+        self.transfers = Counter("dflash_kv_transfers", "Prefill-to-decode KV transfers", m + ["transport"],
+                                 registry=r)
         self.transfer_failures = Counter("dflash_kv_transfer_failures", "KV transfers that failed", m, registry=r)
         self.transfer_bytes = Counter("dflash_kv_transfer_bytes", "Bytes moved by KV transfers", m, registry=r)
         # Per transfer, NIXL descriptors posted (a run of pages in one pool group is one): transfers whose count
         # nears their pages x groups have scattered pages, and pay host time per descriptor.
-        self.transfer_descriptors = Counter("dflash_kv_transfer_descriptors", "NIXL descriptors posted by KV "
-                                            "transfers", m, registry=r)
-        self.transfer_latency = Histogram("dflash_kv_transfer_latency_seconds", "NIXL READ latency", m,
+        self.transfer_descriptors = Counter("dflash_kv_transfer_descriptors", "NIXL descriptors posted (or copies "
+                                            "launched) by KV transfers", m, registry=r)
+        self.transfer_latency = Histogram("dflash_kv_transfer_latency_seconds", "KV READ (or copy) latency", m,
                                           buckets=TRANSFER_BUCKETS, registry=r)
         self.drafts = Counter("dflash_spec_decode_num_drafts", "Verification steps that carried drafts", m,
                               registry=r)
@@ -154,7 +156,7 @@ class ServiceMetrics:
         if failed:
             self.transfer_failures.labels(self.model_name).inc()
         elif stats:
-            self.transfers.labels(self.model_name).inc()
+            self.transfers.labels(self.model_name, stats.get("transport", "nixl")).inc()
             self.transfer_bytes.labels(self.model_name).inc(stats["bytes"])
             self.transfer_descriptors.labels(self.model_name).inc(stats.get("descriptors", 0))
             self.transfer_latency.labels(self.model_name).observe(stats["seconds"])

@@ -273,6 +273,20 @@ def test_failed_transfer_fails_the_request_and_frees_both_sides(tiny):
     assert hold_stats(tiny)["read"] == read_before + 1
 
 
+def test_a_table_outside_the_pool_fails_after_the_lease_check_and_ends_the_lease(tiny):
+    """The reader plans while its lease check is in flight; a table outside its pool fails the READ only after
+    that check, so the lease is ended (not left to expire) and the prefill pages go back at once."""
+    decode_chunks(tiny.decode, tiny.prefill_all(requests(TINY_PROMPTS[:1], tag="bad-table-peer"))[0])
+    kvm = ray.get(tiny.decode.handle.kv_managers.remote())[0]
+    read_before = hold_stats(tiny)["read"]
+    ticket = tiny.prefill_all(requests(TINY_PROMPTS[1:2], tag="bad-table"))[0]
+    beyond = [[10 ** 6 + i for i in range(len(table))] for table in ticket.tables]
+    with pytest.raises(ray.exceptions.RayTaskError, match="page 1000000 is outside space 0"):
+        ray.get(kvm.read.remote(ticket.leases[0], ticket.peer_agents[0], ticket.tables, beyond))
+    wait_until(lambda: tiny.prefill.pages_in_use() == 0, 5)
+    assert hold_stats(tiny)["read"] == read_before + 1
+
+
 # --- the demo pair: acceptance that means something ---------------------------------------------------------
 def demo_prompts(n=4):
     """Held-out source snippets (modules the demo pair never trained on)."""
