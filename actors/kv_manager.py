@@ -38,6 +38,9 @@ EARLY_CANCEL_TTL_S = 120.0
 # them (NIXL's cuda_ipc READ ran at 0.06-0.24x of a device copy there); from any other peer NIXL READs them.
 # "nixl": NIXL always.
 TRANSPORTS = ("auto", "nixl")
+# How often a reader checks that the peers it READs from are alive: a dead one (its replica was replaced or
+# scaled away) is forgotten, its NIXL metadata and any mapping of its pools dropped.
+PEER_CHECK_S = 10.0
 
 
 class LeaseState(enum.Enum):
@@ -65,7 +68,7 @@ class KVManagerActor:
 
     def __init__(self, name: str, *, device: str = "cpu", tp_size: int = 1, tp_rank: int = 0,
                  hold_timeout_s: float = 30.0, read_deadline_s: float = 120.0, num_threads: int = 1,
-                 read_delay_s: float = 0.0, transport: str = "auto"):
+                 read_delay_s: float = 0.0, transport: str = "auto", peer_check_s: float = PEER_CHECK_S):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         torch.set_num_threads(num_threads)
@@ -82,6 +85,9 @@ class KVManagerActor:
         self._early_cancels: dict[str, asyncio.TimerHandle] = {}  # cancels that came before their hold
         self._released_leases: collections.deque[str] = collections.deque(maxlen=4096)
         self._peer_managers: dict[str, object] = {}            # peer agent -> its KV manager (decode side)
+        self._reading_from: collections.Counter[str] = collections.Counter()   # READs in flight per peer
+        self.peer_check_s = peer_check_s
+        self._peer_watch: asyncio.Task | None = None
         self._released: list[str] = []
         self._released_event = asyncio.Event()
         self.counts = {"read": 0, "timed_out": 0, "cancelled": 0, "refused": 0}
@@ -116,6 +122,8 @@ class KVManagerActor:
         agent = self.endpoint.add_peer(payload)
         if peer_kv_manager is not None:
             self._peer_managers[agent] = peer_kv_manager
+            if self._peer_watch is None or self._peer_watch.done():
+                self._peer_watch = asyncio.get_running_loop().create_task(self._watch_peers())
             if self.transport == "auto" and self.segments.device.type == "cuda" and agent not in self.endpoint.mapped:
                 await self._map_peer(agent, peer_kv_manager)
         return agent
@@ -134,6 +142,30 @@ class KVManagerActor:
             log.warning("%s: mapping %s's pools failed: NIXL moves its pages", self.name, agent, exc_info=True)
             return
         log.info("%s: %s's pools share this GPU: pages are copied from their CUDA IPC mapping", self.name, agent)
+
+    async def _watch_peers(self) -> None:
+        """Every ``peer_check_s`` while there are peers to READ from: forget those whose KV manager died."""
+        from ray.exceptions import ActorDiedError
+
+        while self._peer_managers:
+            await asyncio.sleep(self.peer_check_s)
+            agents = list(self._peer_managers)
+            answers = await asyncio.gather(*(self._peer_managers[a].ping.remote() for a in agents),
+                                           return_exceptions=True)
+            for agent, answer in zip(agents, answers):
+                # Only a death is final (a peer slow to answer is asked again); a READ still running keeps it.
+                if isinstance(answer, ActorDiedError) and not self._reading_from[agent]:
+                    self.forget_peer(agent)
+
+    def forget_peer(self, agent: str) -> None:
+        """Drop a peer: its KV manager's handle, its NIXL metadata and any mapping of its pools."""
+        self._peer_managers.pop(agent, None)
+        self._reading_from.pop(agent, None)
+        self.endpoint.remove_peer(agent)
+        log.info("%s: forgot peer %s (its KV manager is gone)", self.name, agent)
+
+    def peer_names(self) -> list[str]:
+        return sorted(self.endpoint.peers)
 
     def export_pools(self) -> PoolExport | None:
         """This rank's pool segments' CUDA IPC handles, for a reader on the same node (None for host memory)."""
@@ -269,6 +301,7 @@ class KVManagerActor:
             raise TransferError(f"the prefill hold {lease_id} at {peer_name} expired or was cancelled before "
                                 "its READ")
         read_start = time.perf_counter()
+        self._reading_from[peer_name] += 1
         try:
             if isinstance(plan, TransferError):
                 raise plan
@@ -276,6 +309,7 @@ class KVManagerActor:
                                                            self.read_delay_s, plan=plan, split=split)
             end = time.perf_counter()      # the pages have landed; what follows only tells the peer
         finally:
+            self._reading_from[peer_name] -= 1
             peer_kv_manager.end_read.remote(lease_id, self.name)
         # seconds: the READ alone (posting and waiting, in ``split`` with the planning done during the lease check);
         # lease_seconds: the lease check before it (one call to the peer)
@@ -283,6 +317,8 @@ class KVManagerActor:
                 "lease_seconds": read_start - start, "transport": self.endpoint.transport(peer_name), "split": split}
 
     def close(self) -> None:
+        if self._peer_watch is not None:
+            self._peer_watch.cancel()
         for lease in self._leases.values():
             lease.timer.cancel()
         self._leases.clear()

@@ -347,3 +347,35 @@ def test_a_read_may_overtake_its_hold_and_a_cancel_may_too(tiny):
     assert (after["held"], after["reading"]) == (0, 0)
     assert (after["read"], after["cancelled"]) == (before["read"] + 1, before["cancelled"] + 1)
     assert ray.get(kvm.begin_read.remote("cancelled-first#1", 10.0)) is False    # released: refused at once
+
+
+def test_a_reader_forgets_a_peer_whose_kv_manager_died(ray_cluster):
+    """A prefill replica replaced or scaled away leaves its KV manager dead: the readers that registered it drop it
+    (its NIXL metadata, and on a GPU the mapping of its pools) at their next peer check; live peers stay."""
+    from actors.kv_manager import KVManagerActor
+    from kv.pool import KVPool
+    from kv.spec import LayerOwner, make_layer_specs
+
+    specs = [make_layer_specs(LayerOwner.TARGET, 2, "float32", 2, 16) + make_layer_specs(LayerOwner.DRAFT, 1,
+                                                                                            "float32", 2, 16)]
+    probe = KVPool(specs[0], 4, 1, device="meta")
+    actor = ray.remote(KVManagerActor).options(num_cpus=0)
+    managers, infos = [], []
+    for name in ("watch-reader", "watch-live", "watch-dies"):
+        kvm = actor.remote(name, peer_check_s=0.2)
+        for group in probe.groups:
+            ray.get(kvm.create_segment.remote(group.page_stride * 8))
+        infos.append(ray.get(kvm.attach.remote(specs, 4, [8])))
+        managers.append(kvm)
+    reader, live, dies = managers
+    try:
+        ray.get([reader.register_peer.remote(infos[1], live), reader.register_peer.remote(infos[2], dies)])
+        time.sleep(1.0)        # five checks: both answer
+        assert ray.get(reader.peer_names.remote()) == ["watch-dies", "watch-live"]
+        ray.kill(dies)
+        wait_until(lambda: ray.get(reader.peer_names.remote()) == ["watch-live"], 10)
+        time.sleep(0.5)
+        assert ray.get(reader.peer_names.remote()) == ["watch-live"]
+    finally:
+        for kvm in managers:
+            ray.kill(kvm)
