@@ -15,6 +15,7 @@ import asyncio
 import collections
 import contextvars
 import dataclasses
+import gc
 import logging
 import threading
 import time
@@ -172,6 +173,10 @@ class EngineReplica:
 
     async def kv_managers(self) -> list:
         return list(self.group.kv_managers)
+
+    async def gc_frozen(self) -> int:
+        """Objects of this process that the garbage collector no longer walks (``actors.worker.freeze_heap``)."""
+        return gc.get_freeze_count()
 
     async def pages_in_use(self) -> int:
         return await self.loop.call(lambda engine: engine.kv.pages_in_use())

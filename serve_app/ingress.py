@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from actors.worker import freeze_heap
 from engine.sequence import SamplingParams, TokenLogprob
 from serve_app.config import ServiceConfig
 from serve_app.metrics import ServiceMetrics
@@ -307,6 +308,7 @@ class Ingress:
         if self.service.enable_docs and api.openapi_url is None:
             api.openapi_url, api.docs_url = "/openapi.json", "/docs"
             api.setup()
+        freeze_heap()
 
     def _report(self) -> None:
         """Push this ingress's request metrics to the hub, so a scrape of any ingress counts them."""
