@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from kv.device_tables import upload
 from kv.pool import KVPool
 from kv.rank_info import HeadSlice, RankInfo, check_peer, describe_pools, shared_slices
 from kv.spec import LayerOwner
@@ -407,8 +408,9 @@ def copy_regions(local: np.ndarray, remote: np.ndarray, local_segments: Sequence
                 and not (ro % size).any():
             dst_rows = dst[:dst.numel() // size * size].view(-1, size)
             src_rows = src[:src.numel() // size * size].view(-1, size)
-            at = torch.from_numpy(lo // size).to(dst.device, non_blocking=True)
-            take = torch.from_numpy(ro // size).to(src.device, non_blocking=True)
+            # Row indices through pinned memory: a copy from pageable memory would wait for the stream to drain.
+            at = upload((lo // size).tolist(), torch.int64, dst.device)
+            take = upload((ro // size).tolist(), torch.int64, src.device)
             dst_rows.index_copy_(0, at, src_rows.index_select(0, take))
             launched += 2
             continue
