@@ -38,8 +38,8 @@ from kv.spec import LayerOwner
 # 1 GB/s measured on an H200); between processes on one GPU, or GPUs behind PCIe, the IPC copy is the fast
 # path. (A UCX_TLS without an active-message transport also needs the error handling mode "none", set below.)
 VRAM_UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
-READ_POLL_MAX_S = 1e-3
-COPY_SPIN_S = 5e-4         # the longest a mapped copy is polled for before its wait sleeps     # the longest wait between two progress calls of a READ in flight
+READ_POLL_MAX_S = 1e-3     # the longest wait between two progress calls of a READ in flight
+COPY_SPIN_S = 5e-4         # the longest a mapped copy is polled for before its wait sleeps
 
 
 class TransferError(RuntimeError):

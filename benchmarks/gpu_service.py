@@ -142,7 +142,8 @@ def _read_rows(managers, infos, probe, device, token_counts, total_pages, page_s
                 descriptors.add(stats["descriptors"])
             landed = ray.get(dst.region_sum.remote([local])) == nbytes     # every source byte is 1
             read_s = statistics.median(seconds[1:])
-            rows.append({"op": op, "transport": stats.get("transport", "nixl"), "ucx": label, "poll_max_us": None if poll is None else poll * 1e6, "split_MB": split / 2**20,
+            rows.append({"op": op, "transport": stats.get("transport", "nixl"),
+                         "ucx": label, "poll_max_us": None if poll is None else poll * 1e6, "split_MB": split / 2**20,
                          "tokens": tokens,
                          "pattern": pattern, "pages": n, "bytes": nbytes,
                          "descriptors": sorted(descriptors), "bytes_landed": landed,
