@@ -129,9 +129,11 @@ class RankWorker:
 
     def shutdown(self) -> None:
         """Stop stepping (rank 0). Ranks > 0 are not released with a message: a step may still be running, and
-        they end with their actors (``RankGroup.shutdown`` kills them)."""
+        they end with their actors (``RankGroup.shutdown`` kills them). The frozen heap is handed back to the
+        collector: a process that goes on (a test run, a notebook) must be able to collect this engine's cycles."""
         if self.loop is not None:
             self.loop.shutdown()
+        gc.unfreeze()
 
 
 @dataclasses.dataclass(frozen=True)
