@@ -291,11 +291,11 @@ class KVManagerActor:
         lease_check = peer_kv_manager.begin_read.remote(lease_id, timeout_s, self.name, num_readers)
         owners = owners_for(transfer_draft_kv)
         split = {}
-        try:       # planned while the lease check is in flight (a bad table fails here, after it)
+        try:       # planned while the lease check is in flight (a bad table fails below, after it)
             plan_start = time.perf_counter()
             plan = self.endpoint.plan(peer_name, remote_tables, local_tables, owners)
             split["plan_s"] = time.perf_counter() - plan_start
-        except TransferError as e:
+        except Exception as e:      # raised after the lease check, so that the lease is ended either way
             plan = e
         if not await lease_check:
             raise TransferError(f"the prefill hold {lease_id} at {peer_name} expired or was cancelled before "
@@ -303,7 +303,7 @@ class KVManagerActor:
         read_start = time.perf_counter()
         self._reading_from[peer_name] += 1
         try:
-            if isinstance(plan, TransferError):
+            if isinstance(plan, Exception):
                 raise plan
             nbytes, descriptors = await self.endpoint.read(peer_name, remote_tables, local_tables, owners, timeout_s,
                                                            self.read_delay_s, plan=plan, split=split)
