@@ -21,6 +21,10 @@ per step, on the demo pair.
    decodes the tokens (and per-step AL) of the same engine with ``overlap: off``, in float32 and bf16; steps did
    launch ahead; the syncs the debug mode sees per decode step (the token read waits
    on an event, which it does not count: expect 0); the median decode step of each.
+6. No compile while serving: after an engine starts (its ``precompile_kernels``), a closed loop of 16 requests at
+   a time (held-out prompts and short ones of 1-33 tokens, 1-48 new tokens each, arriving as others finish)
+   makes Triton compile nothing (a compile inside a step stalls every request for 1-2 s), float32 and bf16 with
+   an FP8 target cache. Off CUDA nothing is compiled (the interpreter runs the kernels): the check then only runs.
 
 Prints a table; exits 1 when a check fails.
 """
@@ -31,6 +35,7 @@ import argparse
 import collections
 import json
 import sys
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -109,7 +114,6 @@ def seeded_repeat(device: str, prompts: list[str], max_tokens: int) -> list[tupl
 
 
 def graphs_match_eager(device: str, prompts: list[str], max_tokens: int) -> list[tuple[str, bool, str]]:
-    import time
 
     rows = []
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -151,7 +155,6 @@ def graphs_match_eager(device: str, prompts: list[str], max_tokens: int) -> list
 
 
 def overlap_matches_sync(device: str, prompts: list[str], max_tokens: int) -> list[tuple[str, bool, str]]:
-    import time
 
     rows = []
     for dtype in ("float32", "bfloat16"):
@@ -213,12 +216,53 @@ def overlap_matches_sync(device: str, prompts: list[str], max_tokens: int) -> li
     return rows
 
 
+def no_compiles_while_serving(device: str, prompts: list[str], max_tokens: int) -> list[tuple[str, bool, str]]:
+    import random
+
+    compiled: list[str] = []
+    if device == "cuda":
+        import triton
+
+        triton.knobs.runtime.jit_post_compile_hook = lambda *_, **kw: compiled.append(kw.get("repr", "?")[:160])
+    rows = []
+    try:
+        for dtype, kv_dtype in (("float32", "auto"), ("bfloat16", "fp8")):
+            start = time.perf_counter()
+            llm = LLM(str(DEMO / "target"), draft=str(DEMO / "drafter"), device=device, dtype=dtype,
+                      kv_cache_dtype=kv_dtype)
+            startup_s = time.perf_counter() - start
+            engine, before = llm.engine, len(compiled)
+            ids = [llm.tokenizer.encode(p) for p in heldout(32)]
+            ids += [ids[0][:n] for n in (1, 2, 3, 5, 9, 17, 33)]
+            rng = random.Random(0)
+            waiting = [(rng.choice(ids), SamplingParams(max_tokens=rng.choice([1, 5, 17, max_tokens]), ignore_eos=True))
+                       for _ in range(96)]
+            live = steps = 0
+            with torch.inference_mode():
+                while waiting or engine.has_unfinished():
+                    while live < 16 and waiting:
+                        prompt, params = waiting.pop()
+                        engine.add_request(prompt, params, request_id=f"r{len(waiting)}")
+                        live += 1
+                    live -= sum(out.finished for out in engine.step())
+                    steps += 1
+            new = compiled[before:]
+            rows.append((f"no compile serving {dtype}/{kv_dtype}", not new,
+                         f"{len(new)} compiles in {steps} steps after a {startup_s:.1f} s start-up"
+                         + (f"; first: {new[0]}" if new else "")))
+    finally:
+        if device == "cuda":
+            triton.knobs.runtime.jit_post_compile_hook = None
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=48)
-    checks = (lossless, syncs_per_step, seeded_repeat, graphs_match_eager, overlap_matches_sync)
+    checks = (lossless, syncs_per_step, seeded_repeat, graphs_match_eager, overlap_matches_sync,
+              no_compiles_while_serving)
     p.add_argument("--checks", nargs="+", default=[c.__name__ for c in checks], choices=[c.__name__ for c in checks])
     args = p.parse_args()
     prompts = heldout(args.prompts)

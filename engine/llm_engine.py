@@ -13,7 +13,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import StepGraphs, use_cuda_graphs
-from engine.model import Qwen3Model
+from engine.model import AttentionSite, Qwen3Model
 from engine.model_runner import ModelRunner, Row
 from engine.parallel import OP_STOP, OP_SYNC, OP_TARGET
 from engine.sampler import (LogitsBlock, LogitsState, accept_greedy, adjust_logits, probabilities, rejection_sample,
@@ -62,6 +62,10 @@ class Speculator(Protocol):
 
     def enable_graphs(self, max_batch: int, max_pages: int, capture: bool) -> StepGraphs:
         """Run the drafter's full blocks through ``StepGraphs`` (``LLMEngine.enable_cuda_graphs``)."""
+        ...
+
+    def attention_site(self) -> AttentionSite:
+        """The drafter layers' attention (``LLMEngine.precompile_kernels``)."""
         ...
 
     def can_draft_ahead(self, batch: int) -> bool:
@@ -229,8 +233,32 @@ class LLMEngine:
         self._launched: _Launched | None = None
         self._clock = self._phase_clock()
         self.num_overlapped_steps = 0      # steps launched before their predecessor's tokens were read
+        if backend == "triton" and model.device.type == "cuda":
+            self.precompile_kernels()
         if use_cuda_graphs(cuda_graphs, model.device, backend, model.tp is not None):
             self.enable_cuda_graphs(capture=True)
+
+    def attention_sites(self) -> list[AttentionSite]:
+        """The target's attention layers, then the drafter's."""
+        sites = [AttentionSite(self.model.num_heads, self.runner.layer_kv[0], self.model.dtype, causal=True)]
+        if self.speculator is not None:
+            sites.append(self.speculator.attention_site())
+        return sites
+
+    def precompile_kernels(self) -> list[set[tuple]]:
+        """Compile every Triton attention variant a step can take (``triton_attention.precompile``), before the
+        engine serves: one met later compiles inside a step and stalls every running request for a second or
+        two. Per site, the variants launched. Triton keeps the binaries on disk, so a restart loads them."""
+        from engine import triton_attention
+
+        start = time.perf_counter()
+        launched = [triton_attention.precompile(site.num_q_heads, site.kv.k_cache, site.kv.v_cache, site.query_dtype,
+                                                causal=site.causal, max_seq_len=self.max_model_len,
+                                                k_scale=site.kv.k_scale, v_scale=site.kv.v_scale)
+                    for site in self.attention_sites()]
+        log.info("attention kernels ready: %d variants in %.1f s", sum(map(len, launched)),
+                 time.perf_counter() - start)
+        return launched
 
     def enable_cuda_graphs(self, capture: bool = True) -> None:
         """Decode and verification steps (rows of 1 or K + 1 tokens) and the drafter's blocks through CUDA graphs

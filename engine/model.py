@@ -76,6 +76,17 @@ class LayerKV:
     v_scale: float = 1.0
 
 
+@dataclass(frozen=True)
+class AttentionSite:
+    """What the attention kernels of a model's layers are compiled for: their query heads (this rank's), one
+    layer's caches (every layer of the model has the same dtypes and shapes), and whether attention is causal."""
+
+    num_q_heads: int
+    kv: LayerKV
+    query_dtype: torch.dtype
+    causal: bool
+
+
 @dataclass
 class DecoderLayerWeights:
     input_norm: torch.Tensor

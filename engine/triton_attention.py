@@ -22,6 +22,13 @@ from engine.attention import FP8_DTYPE, FP8_MAX, AttentionMetadata
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = 1.4426950408889634
+# Triton compiles a kernel anew for every new combination of its arguments' "specialisations": an integer that is
+# 1 or a multiple of 16, a pointer 16-byte aligned or not. The arguments below vary from step to step (a batch's
+# block-table width, its split count, a metadata tensor sliced at any row), so a server met combinations its
+# warm-up had not and stalled for a compile (1-2 s on an H200) in the middle of serving. They are never
+# specialised: none of them sizes a vector load (the K/V caches, queries and outputs keep theirs).
+RUNTIME_INTS = ["stride_bt", "num_q_heads", "num_splits", "split_len"]
+METADATA_POINTERS = ["slot_mapping_ptr", "block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"]
 FP8_MAX_C = tl.constexpr(FP8_MAX)
 
 
@@ -66,7 +73,7 @@ def _store_rounded(ptrs, x, scale, mask):
     tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=METADATA_POINTERS)
 def _store_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     k_scale, v_scale,
@@ -187,7 +194,7 @@ def _attend_kv_tile(
 M_INIT = tl.constexpr(-1.0e30)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RUNTIME_INTS, do_not_specialize_on_alignment=METADATA_POINTERS)
 def _varlen_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     qk_scale_log2, v_scale,
@@ -243,7 +250,7 @@ def _varlen_attention_kernel(
     _store_rounded(out_ptr + o_offsets, out, 1.0, io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RUNTIME_INTS, do_not_specialize_on_alignment=METADATA_POINTERS)
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
@@ -314,7 +321,7 @@ def _decode_split_kernel(
         tl.store(partial_lse_ptr + partial_rows, m_i + tl.log2(l_i), mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RUNTIME_INTS, do_not_specialize_on_alignment=METADATA_POINTERS)
 def _decode_reduce_kernel(
     partial_out_ptr, partial_lse_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr,
     stride_o_t, stride_o_h, num_q_heads, num_splits, split_len,
@@ -356,7 +363,7 @@ def varlen_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
         return out
     if block_m is None:
         # Enough rows for the longest sequence's queries times the group, within one tl.dot-friendly tile.
-        block_m = max(16, triton.next_power_of_2(group), min(64, triton.next_power_of_2(meta.max_query_len * group)))
+        block_m = varlen_block_m(meta.max_query_len, group)
     block_n = block_n or (16 if INTERPRET else 64)
     block_q = block_m // group
     grid = (triton.cdiv(meta.max_query_len, block_q), num_seqs, k_cache.shape[2])
@@ -390,19 +397,10 @@ def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
     if num_tokens == 0 or num_seqs == 0:
         return out
     tiling = DECODE_TILING[k_cache.element_size()]
-    block_n = block_n or (16 if INTERPRET else tiling.block_n)
-    num_tiles = max(1, triton.cdiv(meta.max_seq_len, block_n))
-    if num_splits is None and meta.decode_split_tiles is not None:
-        # Exactly that many tiles a split, whatever max_seq_len is: a graph (max_seq_len = the capacity) and an
-        # eager step (max_seq_len = the batch's) cut a sequence's keys at the same places, so they sum alike.
-        tiles_per_split = min(meta.decode_split_tiles, num_tiles)
-    else:
-        if num_splits is None:
-            num_splits = _default_num_splits(num_seqs * num_kv_heads, num_tiles, query.device,
-                                             programs_per_multiprocessor or tiling.programs_per_multiprocessor)
-        tiles_per_split = triton.cdiv(num_tiles, min(num_splits, num_tiles))
-    num_splits = triton.cdiv(num_tiles, tiles_per_split)  # no split may start past max_seq_len
-    split_len = tiles_per_split * block_n
+    block_n = block_n or decode_block_n(k_cache)
+    num_splits, split_len = split_plan(meta.max_seq_len, block_n, num_seqs * num_kv_heads, query.device,
+                                       meta.decode_split_tiles, num_splits,
+                                       programs_per_multiprocessor or tiling.programs_per_multiprocessor)
     single = num_splits == 1
     block_d = _block_d(head_dim)
     # Dummy 1-element partials when unused: the kernel never touches them, but it needs valid pointers.
@@ -417,7 +415,7 @@ def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         meta.block_tables.stride(0), num_q_heads, num_splits, split_len,
         GROUP=group, CAUSAL=meta.causal and meta.max_query_len > 1, PAGE_SIZE=k_cache.shape[1],
-        BLOCK_M=max(16, triton.next_power_of_2(meta.max_query_len * group)),
+        BLOCK_M=decode_block_m(meta.max_query_len, group),
         BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_DTYPE=_dot_dtype(query, k_cache),
         SINGLE_SPLIT=single, PREFETCH_PAGES=tiling.prefetch_pages if prefetch_pages is None else prefetch_pages,
         num_warps=num_warps or tiling.num_warps, num_stages=num_stages or tiling.num_stages,
@@ -426,9 +424,93 @@ def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
         _decode_reduce_kernel[(num_seqs, num_q_heads, meta.max_query_len)](
             partial_out, partial_lse, out, meta.query_start_loc, meta.seq_lens,
             out.stride(0), out.stride(1), num_q_heads, num_splits, split_len,
-            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+            HEAD_DIM=head_dim, BLOCK_S=reduce_block_s(num_splits), BLOCK_D=block_d, num_warps=4,
         )
     return out
+
+
+# --- kernel variants: what Triton compiles one kernel for, chosen from a batch's shape -------------------------
+
+def varlen_block_m(max_query_len: int, group: int) -> int:
+    """Query rows of a varlen program: enough for the longest sequence's queries times the group, within one
+    tl.dot-friendly tile (16, 32 or 64)."""
+    return max(16, triton.next_power_of_2(group), min(64, triton.next_power_of_2(max_query_len * group)))
+
+
+def decode_block_m(max_query_len: int, group: int) -> int:
+    """Query rows of a split-KV program (its queries times the group; at most ``SPLIT_KV_MAX_ROWS``)."""
+    return max(16, triton.next_power_of_2(max_query_len * group))
+
+
+def reduce_block_s(num_splits: int) -> int:
+    """Partials a merge program loads at once: a few sizes only (each is a compile), at least 16."""
+    return max(16, triton.next_power_of_2(num_splits))
+
+
+def decode_block_n(k_cache: torch.Tensor) -> int:
+    """KV positions per split-KV tile (per cache dtype; small under the interpreter)."""
+    return 16 if INTERPRET else DECODE_TILING[k_cache.element_size()].block_n
+
+
+def split_plan(max_seq_len: int, block_n: int, num_programs: int, device: torch.device,
+               split_tiles: int | None = None, num_splits: int | None = None,
+               programs_per_multiprocessor: int = 2) -> tuple[int, int]:
+    """(splits, positions per split) of a split-KV launch over contexts up to ``max_seq_len``: ``split_tiles``
+    tiles a split when set (``AttentionMetadata.decode_split_tiles``), else ``num_splits`` or the default for
+    ``num_programs`` (sequences x kv heads); never a split that starts past ``max_seq_len``."""
+    num_tiles = max(1, triton.cdiv(max_seq_len, block_n))
+    if num_splits is None and split_tiles is not None:
+        # Exactly that many tiles a split, whatever max_seq_len is: a graph (max_seq_len = the capacity) and an
+        # eager step (max_seq_len = the batch's) cut a sequence's keys at the same places, so they sum alike.
+        tiles_per_split = min(split_tiles, num_tiles)
+    else:
+        if num_splits is None:
+            num_splits = _default_num_splits(num_programs, num_tiles, device, programs_per_multiprocessor)
+        tiles_per_split = triton.cdiv(num_tiles, min(num_splits, num_tiles))
+    return triton.cdiv(num_tiles, tiles_per_split), tiles_per_split * block_n
+
+
+def precompile(num_q_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, query_dtype: torch.dtype, *,
+               causal: bool, max_seq_len: int, k_scale: float = 1.0, v_scale: float = 1.0) -> set[tuple]:
+    """Compile now every variant of the store and attention kernels that steps over these caches can take: query
+    blocks of any length (each ``varlen_block_m`` / ``decode_block_m``), causal as the layers are, one split or
+    many, and every ``reduce_block_s`` of a context up to ``max_seq_len``. A variant first met while serving
+    compiles in the middle of a step, and every request of the replica waits for it (1-2 s on an H200).
+
+    Runs the kernels over one sequence whose table points every position at page 0, which they only read; the
+    store gets no slot, so it writes nothing. Returns the variants launched, as ``(kernel, constexprs...)``."""
+    device = k_cache.device
+    page_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    group = num_q_heads // num_kv_heads
+    tables = torch.zeros((1, triton.cdiv(max_seq_len, page_size)), dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([max_seq_len], dtype=torch.int32, device=device)
+    key = torch.zeros((1, num_kv_heads, head_dim), dtype=query_dtype, device=device)
+    store_kv(key, key, k_cache, v_cache, torch.full((1,), -1, dtype=torch.int64, device=device), k_scale, v_scale)
+    launched = {("store",)}
+    block_n = decode_block_n(k_cache)
+    num_tiles = max(1, triton.cdiv(max_seq_len, block_n))
+    # Split requests that land in every reduce_block_s up to the one of num_tiles splits (``split_plan`` turns a
+    # request of s <= num_tiles splits into more than s / 2).
+    buckets = [16 << i for i in range(32) if (16 << i) // 2 < num_tiles]
+    split_requests = sorted({1, min(2, num_tiles), *(min(b, num_tiles) for b in buckets)})
+    q = 1
+    while q <= min(max_seq_len, max(64, split_kv_max_query_len(group))):
+        query = torch.zeros((q, num_q_heads, head_dim), dtype=query_dtype, device=device)
+        meta = AttentionMetadata(query_start_loc=torch.tensor([0, q], dtype=torch.int32, device=device),
+                                 seq_lens=seq_lens, block_tables=tables,
+                                 slot_mapping=torch.full((q,), -1, dtype=torch.int64, device=device),
+                                 max_query_len=q, max_seq_len=max_seq_len, causal=causal, backend="triton")
+        varlen_attention(query, k_cache, v_cache, meta, 1.0, k_scale, v_scale)
+        launched.add(("varlen", varlen_block_m(q, group), causal))
+        if q <= split_kv_max_query_len(group):
+            for requested in split_requests if q == 1 else split_requests[:2]:
+                splits, _ = split_plan(max_seq_len, block_n, num_kv_heads, device, num_splits=requested)
+                decode_attention(query, k_cache, v_cache, meta, 1.0, k_scale, v_scale, num_splits=requested)
+                launched.add(("decode", decode_block_m(q, group), causal and q > 1, splits == 1))
+                if splits > 1:
+                    launched.add(("reduce", reduce_block_s(splits)))
+        q *= 2
+    return launched
 
 
 # Query rows (tokens x GQA group) one split-KV program holds: verification blocks of 16 tokens with 4 query heads

@@ -12,7 +12,7 @@ from engine.attention import AttentionMetadata
 from engine.cuda_graphs import StepGraphs
 from engine.llm import EngineConfig, kv_cache_dtype
 from engine.llm_engine import Proposal
-from engine.model import Qwen3Model
+from engine.model import AttentionSite, Qwen3Model
 from engine.model_runner import Row, build_metadata, device_metadata, layer_kv_of, pack_inputs, unpack_inputs
 from engine.parallel import OP_CLEAR, OP_DRAFT, OP_STORE, Message
 from engine.sampler import LogitsBlock, adjust_logits, draw, probabilities
@@ -58,6 +58,10 @@ class DFlashSpeculator:
         self._ctx_hidden: torch.Tensor | None = None     # the graphs' static context rows [max_batch * width, n*H]
         self._ctx_lens: torch.Tensor | None = None       # context positions per row before its block (0: none)
         self.contexts_in_graph = 0                       # pending contexts a drafter graph stored
+
+    def attention_site(self) -> AttentionSite:
+        """Drafter blocks attend non-causally over their context and themselves."""
+        return AttentionSite(self.drafter.num_heads, self.layer_kv[0], self.drafter.fc.dtype, causal=False)
 
     def enable_graphs(self, max_batch: int, max_pages: int, capture: bool) -> StepGraphs:
         """Draft full blocks (``num_spec_tokens`` drafts a row) through ``StepGraphs``."""

@@ -492,3 +492,54 @@ def test_decode_splits_fill_the_multiprocessors(monkeypatch):
     assert splits(num_programs=128 * 8, num_tiles=32, device=cpu) == 1  # batch 128 fills the GPU alone
     assert splits(num_programs=8, num_tiles=3, device=cpu) == 3  # a short context: one tile per split at most
     assert splits(num_programs=32 * 8, num_tiles=32, device=cpu, programs_per_multiprocessor=4) == 4
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("cache_dtype,num_q_heads,causal", [(torch.float32, 4, True), (FP8_DTYPE, 2, False)])
+def test_precompile_launches_every_variant_a_step_can_take(cache_dtype, num_q_heads, causal):
+    """A variant first met while serving compiles inside a step and stalls the replica (1-2 s on an H200):
+    ``precompile`` must launch every one that batches of any query length, sequence count, context and split
+    setting over these caches choose, as the wrappers choose them."""
+    from engine import triton_attention as ta
+
+    max_seq_len, page_size = 80, 4
+    _, k_cache, v_cache = make_layer_caches(24, page_size, cache_dtype)
+    launched = ta.precompile(num_q_heads, k_cache, v_cache, torch.float32, causal=causal, max_seq_len=max_seq_len,
+                             k_scale=0.5, v_scale=0.5)
+    group = num_q_heads // NUM_KV_HEADS
+    block_n = ta.decode_block_n(k_cache)
+    needed = {("store",)}
+    for q in range(1, 65):
+        needed.add(("varlen", ta.varlen_block_m(q, group), causal))
+    for q in range(1, ta.split_kv_max_query_len(group) + 1):
+        for seq_len in range(q, max_seq_len + 1):
+            for num_seqs in range(1, 9):
+                for tiles in (None, 1, 4):
+                    splits, _ = ta.split_plan(seq_len, block_n, num_seqs * NUM_KV_HEADS, torch.device(DEVICE), tiles)
+                    needed.add(("decode", ta.decode_block_m(q, group), causal and q > 1, splits == 1))
+                    if splits > 1:
+                        needed.add(("reduce", ta.reduce_block_s(splits)))
+    assert needed <= launched, needed - launched
+    assert max(s for _, s in (v for v in needed if v[0] == "reduce")) == ta.reduce_block_s(-(-max_seq_len // block_n))
+
+
+def test_kernels_do_not_specialise_on_values_that_vary_between_steps():
+    """Every argument named unspecialised exists in some kernel and is declared so there (a renamed argument would
+    silently bring the per-step recompiles back); the caches, queries and outputs keep their alignment."""
+    import inspect
+
+    from engine import triton_attention as ta
+
+    def declared(kernel, option):      # compiled kernels keep their options per parameter, the interpreter as given
+        if hasattr(kernel, "params"):
+            return {p.name for p in kernel.params if getattr(p, option)}
+        return set(kernel.kwargs.get(option) or ())
+
+    kernels = [ta._store_kv_kernel, ta._varlen_attention_kernel, ta._decode_split_kernel, ta._decode_reduce_kernel]
+    for option, names in (("do_not_specialize", ta.RUNTIME_INTS),
+                          ("do_not_specialize_on_alignment", ta.METADATA_POINTERS)):
+        for name in names:
+            having = [k for k in kernels if name in inspect.signature(k.fn).parameters]
+            assert having and all(name in declared(k, option) for k in having), (option, name)
+    kept = {"q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "key_ptr", "value_ptr", "partial_out_ptr"}
+    assert not any(kept & declared(k, "do_not_specialize_on_alignment") for k in kernels)
