@@ -141,6 +141,9 @@ def _read_rows(managers, infos, probe, device, token_counts, total_pages, page_s
                 splits.append(stats.get("split", {}))
                 descriptors.add(stats["descriptors"])
             landed = ray.get(dst.region_sum.remote([local])) == nbytes     # every source byte is 1
+            hot = None
+            if op == "COPY" and device.startswith("cuda"):
+                hot = ray.get(dst.time_copies.remote(agent, [remote], [local], 20))
             read_s = statistics.median(seconds[1:])
             rows.append({"op": op, "transport": stats.get("transport", "nixl"),
                          "ucx": label, "poll_max_us": None if poll is None else poll * 1e6, "split_MB": split / 2**20,
@@ -152,7 +155,8 @@ def _read_rows(managers, infos, probe, device, token_counts, total_pages, page_s
                          "copy_GB_per_s": round(nbytes / floor_s / 1e9, 1),
                          "read_vs_copy": round(floor_s / read_s, 3),
                          "split_ms": {k: round(statistics.median(s.get(k, 0.0) for s in splits[1:]) * 1e3, 3)
-                                      for k in ("plan_s", "post_s", "wait_s")}})
+                                      for k in ("plan_s", "post_s", "launch_s", "wait_s")},
+                         "hot_launch_ms": None if hot is None else round(hot * 1e3, 3)})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -226,6 +230,7 @@ def transports(url: str) -> dict[str, float]:
 
 def throughput(urls: dict[str, str], concurrencies: list[int], repeats: int, output_len: int) -> list[dict]:
     from benchmarks.serve_bench import _bench_args, _transfer_counters
+    from benchmarks.proc_cpu import bench_with_cpu, format_usage
     from serve_app.bench import bench, format_table
 
     ns = argparse.Namespace(prompt_file=str(REPO / "benchmarks" / "prompts" / "heldout.jsonl"), input_len=64,
@@ -237,12 +242,13 @@ def throughput(urls: dict[str, str], concurrencies: list[int], repeats: int, out
     for _repeat, concurrency in [(r, c) for r in range(repeats) for c in concurrencies]:
         for name in ("agg", "disagg"):
             before = _transfer_counters(urls[name])
-            summary = bench(_bench_args(urls[name], name, concurrency, ns))
+            summary = bench_with_cpu(bench, _bench_args(urls[name], name, concurrency, ns))
             after = _transfer_counters(urls[name])
             count = after[1] - before[1]
             summary["mean_read_s"] = (after[0] - before[0]) / count if count else None
             summaries.append(summary)
             print(format_table([summary]).splitlines()[-2], flush=True)
+            print(format_usage(summary["cpu"]), flush=True)
     return summaries
 
 
@@ -379,8 +385,9 @@ def print_tables(result: dict) -> None:
     print(f"\n{result['device']}, {result['config']}")
     if result.get("pages"):
         print("\n| op | transport | UCX | poll max us | split MiB | prompt tokens | pages | pattern | MB | descriptors | "
-              "move ms | plan / post / wait ms | copy ms | move / copy speed | landed |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "move ms | plan / post / launch / wait ms | copy ms | move / copy speed | landed | "
+              "launch ms, back to back |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in result["pages"]:
             if "error" in r:
                 print(f"| {r['ucx']} | failed: {r['error'][-120:]} |")
@@ -389,7 +396,7 @@ def print_tables(result: dict) -> None:
             print(f"| {r['op']} | {r.get('transport', 'nixl')} | {r['ucx']} | {poll:g} | {r['split_MB']:g} | {r['tokens']} | {r['pages']} | {r['pattern']} | {r['bytes'] / 1e6:.1f} | "
                   f"{','.join(map(str, r['descriptors']))} | {r['read_ms']} | "
                   f"{' / '.join(str(v) for v in r.get('split_ms', {}).values())} | {r['copy_ms']} | {r['read_vs_copy']} | "
-                  f"{r['bytes_landed']} |")
+                  f"{r['bytes_landed']} | {r.get('hot_launch_ms')} |")
     for dtype, s in result.get("service", {}).items():
         print(f"\n{dtype}: tokens disagg == agg {s['tokens_disagg_equal_agg']}, per-step AL disagg == agg "
               f"{s['per_step_al_disagg_equal_agg']}, ablation tokens == agg {s['tokens_ablation_equal_agg']}, "

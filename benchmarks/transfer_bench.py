@@ -77,6 +77,29 @@ class BenchKVManager(KVManagerActor):
                                                        (LayerOwner.TARGET, LayerOwner.DRAFT), 60.0, op="WRITE")
         return {"bytes": nbytes, "descriptors": descriptors, "seconds": time.perf_counter() - start}
 
+    def time_copies(self, peer_name: str, remote_tables: list[list[int]], local_tables: list[list[int]],
+                    repeats: int) -> float:
+        """Median host seconds to launch a mapped peer's copies as a READ does (planned first), back to back in
+        this actor (the device drained between launches): their cost with warm caches, against the one-off
+        launch inside a READ."""
+        from actors.nixl_transfer import copy_regions
+
+        plan = self.endpoint.plan(peer_name, remote_tables, local_tables, (LayerOwner.TARGET, LayerOwner.DRAFT))
+        segments = self.endpoint.mapped[peer_name].segments
+        cuda, stream = self.endpoint._cuda, torch.cuda.current_stream().cuda_stream
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            if plan.copies is not None:
+                cuda.copy_all(plan.copies, stream)
+            else:
+                copy_regions(plan.local, plan.remote, self.endpoint._segments, segments,
+                             None if cuda is None else (cuda, stream))
+            times.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        return statistics.median(times)
+
     def fill(self, value: int) -> None:
         for tensor in self.segments.tensors:
             tensor.fill_(value)

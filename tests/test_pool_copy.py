@@ -6,6 +6,8 @@ Both transports run with real NIXL agents over UCX in this process.
 """
 
 import asyncio
+import ctypes
+import types
 
 import numpy as np
 import pytest
@@ -162,3 +164,84 @@ def test_regions_outside_the_segments_are_refused_before_any_copy(rows):
     with pytest.raises(TransferError, match="a remote region lies outside"):
         copy_regions(table(dst, at), table(src, at - 16), [dst], [src])      # the first row starts before it
     assert not dst.any()
+
+
+class HostRuntime:
+    """Stands in for the CUDA runtime, which needs a GPU (a fault we cannot cause here otherwise): its copies are
+    memmoves of the same addresses in host memory, recorded."""
+
+    def __init__(self):
+        self.copies = []
+
+    def copy(self, dst, src, nbytes, stream):
+        self.copies.append((dst, src, nbytes, stream))
+        ctypes.memmove(dst, src, nbytes)
+
+    def copy_all(self, copies, stream):
+        for dst, src, nbytes in copies:
+            self.copy(dst, src, nbytes, stream)
+        return len(copies)
+
+
+def test_few_regions_go_to_the_cuda_runtime_as_addresses_after_the_bounds_check():
+    dst, src = torch.zeros(256, dtype=torch.uint8), torch.ones(256, dtype=torch.uint8)
+    local = np.array([[dst.data_ptr() + 32, 64, 0], [dst.data_ptr() + 128, 16, 0]], dtype=np.int64)
+    remote = np.array([[src.data_ptr(), 64, 0], [src.data_ptr() + 200, 16, 0]], dtype=np.int64)
+    runtime = HostRuntime()
+    assert copy_regions(local, remote, [dst], [src], (runtime, 7)) == 2
+    assert runtime.copies == [(dst.data_ptr() + 32, src.data_ptr(), 64, 7),
+                              (dst.data_ptr() + 128, src.data_ptr() + 200, 16, 7)]
+    assert dst[32:96].all() and dst[128:144].all() and int(dst.sum()) == 80
+    past = remote.copy()
+    past[1, 0] = src.data_ptr() + 250          # 16 bytes from 250 run past the end
+    runtime.copies.clear()
+    with pytest.raises(TransferError, match="a remote region lies outside"):
+        copy_regions(local, past, [dst], [src], (runtime, 7))
+    assert runtime.copies == []                # refused before the first copy
+
+
+def test_a_mapped_read_plans_its_runtime_copies_and_lands_what_nixl_does(pair):
+    """With the CUDA runtime (here its stand-in), a mapped peer's few regions are located while planning, so the
+    READ only launches them; the pages land as NIXL's READ lands them, and a table past the pool fails at plan
+    time, before anything is copied."""
+    src, dst, name = pair
+    dst._cuda, dst._stream = HostRuntime(), types.SimpleNamespace(cuda_stream=0)
+    remote, local = PLANS["a few pages apart"]
+    mapping = mapped_copy(dst, name, src)
+    dst.mapped[name] = mapping
+    plan = dst.plan(name, [remote], [local], (T, D))
+    assert plan.copies == [(la, ra, n) for (la, n, _), (ra, _, _) in zip(plan.local.tolist(), plan.remote.tolist())]
+    del dst.mapped[name]
+    restore(src, mapping)
+    both_ways(dst, name, src, remote, local)
+    assert len(dst._cuda.copies) == len(plan.copies)
+    dst.mapped[name] = mapping
+    with pytest.raises(TransferError, match="page 24 is outside space 0"):
+        dst.plan(name, [[NUM_PAGES]], [[0]], (T, D))
+
+
+def test_cuda_runtime_errors_become_transfer_errors():
+    """A library object stands in for libcudart (no GPU here): its status codes are what the runtime returns."""
+    from actors.nixl_transfer import CudaRuntime
+
+    class Lib:
+        class Fn:
+            def __init__(self, status):
+                self.status = status
+
+            def __call__(self, *args):
+                return self.status
+
+        def __init__(self, copy=0, query=0):
+            self.cudaMemcpyAsync, self.cudaEventRecord = self.Fn(copy), self.Fn(0)
+            self.cudaEventQuery = self.Fn(query)
+            self.cudaGetErrorString = lambda status: b"an illegal memory access was encountered"
+
+    CudaRuntime(Lib()).copy(1, 2, 3, 0)
+    with pytest.raises(TransferError, match="cudaMemcpyAsync failed: an illegal memory access"):
+        CudaRuntime(Lib(copy=700)).copy(1, 2, 3, 0)
+    assert CudaRuntime(Lib(query=0)).query(5) and not CudaRuntime(Lib(query=CudaRuntime.NOT_READY)).query(5)
+    with pytest.raises(TransferError, match="cudaEventQuery failed"):
+        CudaRuntime(Lib(query=700)).query(5)
+    if not torch.cuda.is_available():
+        assert CudaRuntime.load() is None
