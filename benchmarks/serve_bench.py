@@ -127,6 +127,7 @@ def main() -> int:
     import torch
     from ray import serve
 
+    from benchmarks.proc_cpu import bench_with_cpu, format_usage
     from serve_app.app import build_app
     from serve_app.bench import bench, format_table, plot, public
     from tests.test_serve_support import free_port, service_args, wait_healthy
@@ -152,12 +153,14 @@ def main() -> int:
             for name in ("agg", "disagg"):
                 url = f"http://127.0.0.1:{port}/{name}"
                 before = _transfer_counters(url)
-                summary = bench(_bench_args(url, name, concurrency, args))
+                summary = bench_with_cpu(bench, _bench_args(url, name, concurrency, args))
                 after = _transfer_counters(url)
                 count = after[1] - before[1]
                 summary["mean_read_s"] = (after[0] - before[0]) / count if count else None
                 summaries.append(summary)
                 print(format_table([summary]).splitlines()[-2], flush=True)
+                print(format_usage(summary["cpu"]), flush=True)
+            print(format_usage(summary["cpu"]), flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
