@@ -48,6 +48,8 @@ class _Served:
                                             ).result(timeout=10)
                 self._hub.report.remote(self.replica_id, snap)
             except Exception:      # a missed report only ages the gauges; keep the replica serving
+                if self._closed.is_set():      # shut down while reporting: the engine loop is gone, as meant
+                    return
                 log.exception("metrics report failed")
 
     def __del__(self):
