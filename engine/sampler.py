@@ -16,6 +16,7 @@ class LogitsState:
     """A request's logit adjustments as ``[V]`` tensors on the device, only those its parameters use: the bias,
     the tokens min_tokens masks, its output token counts and its prompt's tokens (the repetition penalty)."""
 
+    @torch.inference_mode(False)      # updated in place by steps in and out of inference mode: normal tensors
     def __init__(self, params: SamplingParams, prompt_token_ids: Sequence[int], vocab_size: int,
                  eos_token_ids: Collection[int], device: torch.device):
         self.params = params

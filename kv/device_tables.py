@@ -24,10 +24,17 @@ def upload(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
+def _persistent_zeros(rows: int, pages: int, device: torch.device) -> torch.Tensor:
+    """A table that later steps update in place, whether or not they run under torch.inference_mode: one made
+    inside it would be an inference tensor, which no update outside it may touch."""
+    with torch.inference_mode(False):
+        return torch.zeros(rows, pages, dtype=torch.int32, device=device)
+
+
 class DeviceBlockTables:
     def __init__(self, device: torch.device, rows: int = 64, pages: int = 64):
         self.device = torch.device(device)
-        self.table = torch.zeros(max(rows, 1), max(pages, 1), dtype=torch.int32, device=self.device)
+        self.table = _persistent_zeros(max(rows, 1), max(pages, 1), device=self.device)
         self._row_of: dict[str, int] = {}
         self._synced: dict[str, int] = {}         # entries of the request's table already on the device
         self._free_rows = list(range(self.table.shape[0] - 1, -1, -1))
@@ -78,6 +85,6 @@ class DeviceBlockTables:
 
     def _grow(self, rows: int, pages: int) -> None:
         old = self.table
-        self.table = torch.zeros(rows, pages, dtype=torch.int32, device=self.device)
+        self.table = _persistent_zeros(rows, pages, device=self.device)
         self.table[:old.shape[0], :old.shape[1]] = old
         self._free_rows = list(range(rows - 1, old.shape[0] - 1, -1)) + self._free_rows

@@ -622,3 +622,28 @@ def test_device_block_tables_follow_every_change_and_give_the_metadata_of_the_li
     for rid in list(lengths):
         kv.free(rid)
     assert all(len(m) == 0 for m in mirrors)        # every row given back with its request's pages
+
+
+@pytest.mark.parametrize("grown_in_inference_mode", [True, False])
+def test_device_block_tables_take_updates_in_and_out_of_inference_mode(grown_in_inference_mode):
+    """The engine updates its device block tables from code under torch.inference_mode (graph replays, drafting)
+    and from code outside it. A table that grew inside it became an inference tensor, and the next update from
+    outside failed the whole step ("Inplace update to inference tensor outside InferenceMode"): a prefill replica
+    holding more requests than its table's rows did that under load on the H200."""
+    import contextlib
+
+    from kv.device_tables import DeviceBlockTables
+
+    mirror = DeviceBlockTables(torch.device("cpu"), rows=2, pages=2)
+    mode = torch.inference_mode() if grown_in_inference_mode else contextlib.nullcontext()
+    with mode:       # three requests in two rows, one of three pages in two columns: it grows both ways
+        rows = mirror.rows(["a", "b", "c"], [[1], [2, 3, 4], [5]])
+    with torch.inference_mode():
+        rows += mirror.rows(["d"], [[6, 7]])
+    shape = mirror.table.shape
+    rows += mirror.rows(["a", "d"], [[1, 8], [6, 7, 9]])      # outside it, into the rows it has (no growth)
+    assert mirror.table.shape == shape and not mirror.table.is_inference()
+    table = mirror.table
+    assert table[rows[0], :2].tolist() == [1, 8] and table[rows[1], :3].tolist() == [2, 3, 4]
+    assert table[rows[2], :1].tolist() == [5] and table[rows[3], :3].tolist() == [6, 7, 9]
+    assert rows[4:] == [rows[0], rows[3]] and len(set(rows[:4])) == 4

@@ -411,3 +411,12 @@ def test_disaggregated_first_token_carries_its_logprob(tiny_target, drafter_dir,
 def test_token_logprob_is_a_small_value_object():
     e = TokenLogprob(3, -0.5, ((3, -0.5), (1, -1.2)))
     assert e == TokenLogprob(3, -0.5, ((3, -0.5), (1, -1.2))) and hash(e)
+
+
+def test_a_logits_state_made_in_inference_mode_counts_tokens_outside_it():
+    """Requests are added from code in and out of torch.inference_mode and their counts updated by steps of
+    either kind: the state's tensors are never inference tensors (those refuse in-place updates outside it)."""
+    with torch.inference_mode():
+        state = LogitsState(SamplingParams(presence_penalty=0.5, max_tokens=4), [1, 2], 10, [0], torch.device("cpu"))
+    state.add([1, 2, 2])
+    assert not state.counts.is_inference() and state.counts.tolist() == [0, 1, 2] + [0] * 7
