@@ -17,8 +17,10 @@ Three parts, in one Ray cluster on the machine, each printing a table (and all o
    through HTTP: tokens and per-step acceptance lengths of aggregated and disaggregated must be identical, the
    ablation's AL lower; pages back to 0 everywhere.
 3. ``throughput``: the float32 aggregated and disaggregated applications under ``dflash-serve bench`` load
-   (held-out prompts, concurrency 1 and 16), then the offline engine on the same GPU and prompts: HTTP output
-   tokens/s against offline, and disaggregated minus aggregated TTFT against the READ time.
+   (held-out prompts, concurrency 1 and 16), then the offline engine on the same GPU and prompts, in batches of
+   the concurrency and in a closed loop (a new request as soon as one ends, as the load client sends them): HTTP
+   output tokens/s against offline, disaggregated minus aggregated TTFT against the READ time, and the CPU each
+   process used under load (``benchmarks/proc_cpu.py``).
 
 ``--device cpu`` runs the same code with pools in shared memory (DRAM) and small sizes: a check of the script.
 """
@@ -277,7 +279,30 @@ def offline(args, concurrencies: list[int], repeats: int, output_len: int, dtype
             tokens += sum(len(o.token_ids) for o in llm.generate(prompts[i:i + concurrency], params))
         rows.append({"label": "offline", "max_concurrency": concurrency,
                      "output_throughput": tokens / (time.perf_counter() - start)})
+        rows.append({"label": "offline-closed-loop", "max_concurrency": concurrency,
+                     "output_throughput": closed_loop(llm, prompts, params, concurrency)})
     return rows
+
+
+def closed_loop(llm, prompts: list[str], params, concurrency: int) -> float:
+    """Output tokens/s of the engine alone fed as the HTTP load client feeds a server: ``concurrency`` requests in
+    flight, the next one added as soon as one finishes (the batched offline run above starts each batch of
+    ``concurrency`` together and runs it to its end, so its rows never change mid-run)."""
+    import torch
+
+    engine, waiting = llm.engine, [llm.tokenizer.encode(p) for p in reversed(prompts)]
+    live = tokens = 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        while waiting or engine.has_unfinished():
+            while live < concurrency and waiting:
+                engine.add_request(waiting.pop(), params, request_id=f"closed-{len(waiting)}")
+                live += 1
+            for out in engine.step():
+                if out.finished:
+                    live -= 1
+                    tokens += len(out.token_ids)
+    return tokens / (time.perf_counter() - start)
 
 
 def main() -> int:
@@ -368,7 +393,11 @@ def main() -> int:
         result["throughput"] = {"http": [public(s) for s in summaries],
                                 "offline": offline(args, args.concurrency, args.repeats, 64, args.dtypes[0])}
         print(format_table(summaries))
-        result["throughput"]["table"] = _ratios(summaries, result["throughput"]["offline"])
+        offline_rows = result["throughput"]["offline"]
+        result["throughput"]["table"] = _ratios(summaries, [o for o in offline_rows if o["label"] == "offline"])
+        result["throughput"]["closed_loop_table"] = _ratios(
+            summaries, [o for o in offline_rows if o["label"] == "offline-closed-loop"]).replace(
+            "HTTP / offline", "HTTP / closed-loop offline")
     save(out, result)
     print_tables(result)
     return 0
@@ -404,6 +433,15 @@ def print_tables(result: dict) -> None:
               f"{s.get('transfers_by_transport')}")
     if result.get("throughput"):
         print("\n" + result["throughput"]["table"])
+        print("\nAgainst the offline engine fed as a server is (a closed loop):\n"
+              + result["throughput"].get("closed_loop_table", ""))
+        for c in sorted({o["max_concurrency"] for o in result["throughput"]["offline"]}):
+            rates = {label: statistics.median(o["output_throughput"] for o in result["throughput"]["offline"]
+                                              if o["label"] == label and o["max_concurrency"] == c)
+                     for label in ("offline", "offline-closed-loop")}
+            print(f"concurrency {c}: offline {rates['offline']:.0f} tok/s batched, "
+                  f"{rates['offline-closed-loop']:.0f} in a closed loop "
+                  f"({rates['offline-closed-loop'] / rates['offline']:.2f}x)")
 
 
 if __name__ == "__main__":
