@@ -178,6 +178,9 @@ def app_args(mode: str, dtype: str, device: str, gpu_share: float, **overrides) 
     for role in ("aggregated", "prefill", "decode"):
         args[role] = {**args.get(role, {}), "num_replicas": 1, "num_cpus": 1, "num_gpus": gpus}
     args["metrics_report_interval_s"] = 1.0
+    ingresses = overrides.pop("ingress_replicas", None)
+    if ingresses is not None:
+        args["ingress"] = {**args.get("ingress", {}), "num_replicas": ingresses}
     args.update(overrides)
     return args
 
@@ -328,6 +331,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=40)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--ingress-replicas", type=int, nargs="+", default=None, metavar="N",
+                   help="throughput: with this many ingress replicas, each in turn (default: the config's)")
     p.add_argument("--out", default="out/gpu_service")
     args = p.parse_args()
 
@@ -369,8 +374,9 @@ def main() -> int:
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             for dtype in args.dtypes:
                 # One GPU, five engine replicas: 0.2 each (a disaggregated replica's KV manager takes 0.1 of it).
-                apps = {"agg": app_args("aggregated", dtype, args.device, 0.2),
-                        "disagg": app_args("disaggregated", dtype, args.device, 0.2),
+                first = {} if not args.ingress_replicas else {"ingress_replicas": args.ingress_replicas[0]}
+                apps = {"agg": app_args("aggregated", dtype, args.device, 0.2, **first),
+                        "disagg": app_args("disaggregated", dtype, args.device, 0.2, **first),
                         "ablate": app_args("disaggregated", dtype, args.device, 0.2, transfer_draft_kv=False)}
                 urls = deploy(apps, port)
                 if "service" in args.parts:
@@ -379,7 +385,17 @@ def main() -> int:
                     save(out, result)
                 if "throughput" in args.parts and dtype == args.dtypes[0]:
                     serve.delete("ablate")
-                    summaries = throughput(urls, args.concurrency, args.repeats, 64)
+                    for n, ingresses in enumerate(args.ingress_replicas or [None]):
+                        if n:        # the same applications again, with this many ingress replicas
+                            for name in ("agg", "disagg"):
+                                serve.delete(name)
+                            urls = deploy({name: app_args(apps[name]["mode"], dtype, args.device, 0.2,
+                                                          ingress_replicas=ingresses)
+                                           for name in ("agg", "disagg")}, port)
+                        batch = throughput(urls, args.concurrency, args.repeats, 64)
+                        for summary in batch:
+                            summary["ingress_replicas"] = ingresses
+                        summaries += batch
                 for name in list(urls):
                     if name in serve.status().applications:
                         serve.delete(name)
@@ -394,9 +410,15 @@ def main() -> int:
                                 "offline": offline(args, args.concurrency, args.repeats, 64, args.dtypes[0])}
         print(format_table(summaries))
         offline_rows = result["throughput"]["offline"]
-        result["throughput"]["table"] = _ratios(summaries, [o for o in offline_rows if o["label"] == "offline"])
+        tables = []
+        for ingresses in args.ingress_replicas or [None]:
+            runs = [s for s in summaries if s["ingress_replicas"] == ingresses]
+            title = "" if ingresses is None else f"{ingresses} ingress replica(s):\n"
+            tables.append(title + _ratios(runs, [o for o in offline_rows if o["label"] == "offline"]))
+        result["throughput"]["table"] = "\n\n".join(tables)
+        first_runs = [s for s in summaries if s["ingress_replicas"] == (args.ingress_replicas or [None])[0]]
         result["throughput"]["closed_loop_table"] = _ratios(
-            summaries, [o for o in offline_rows if o["label"] == "offline-closed-loop"]).replace(
+            first_runs, [o for o in offline_rows if o["label"] == "offline-closed-loop"]).replace(
             "HTTP / offline", "HTTP / closed-loop offline")
     save(out, result)
     print_tables(result)
