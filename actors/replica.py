@@ -133,8 +133,10 @@ class EngineReplica:
 
     def __init__(self, config: EngineConfig, *, tp_size: int = 1, num_threads: int = 1,
                  hold_timeout_s: float = 30.0, transfer_draft_kv: bool = True, read_timeout_s: float = 10.0,
-                 reserve_timeout_s: float = 10.0, read_delay_s: float = 0.0, kv_transport: str = "auto"):
+                 reserve_timeout_s: float = 10.0, read_delay_s: float = 0.0, kv_transport: str = "auto",
+                 stream_interval: int = 1):
         self.config = config
+        self.stream_interval = stream_interval
         self.transfer_draft_kv = transfer_draft_kv
         self.read_timeout_s = read_timeout_s
         self.reserve_timeout_s = reserve_timeout_s
@@ -185,28 +187,34 @@ class EngineReplica:
         return await self.loop.call(lambda _: self.group.worker.page_digest(tables, owners))
 
     async def _stream(self, request_id: str, queue: asyncio.Queue, **first_extra) -> AsyncIterator[dict]:
-        """Chunks until the request finishes; what piled up while the consumer was busy goes as one chunk.
+        """Chunks until the request finishes; what piled up while the consumer was busy goes as one chunk, and
+        after the first tokens one goes every ``stream_interval`` steps (the last at once).
         A consumer that goes away first aborts the request (its pages are freed, or after a running READ)."""
         finished = False
         extra = first_extra
+        chunk, steps, first = None, 0, True
         try:
             while not finished:
                 items = [await queue.get()]
                 while not queue.empty():
                     items.append(queue.get_nowait())
-                chunk = None
                 for item in items:
                     if isinstance(item, BaseException):
                         finished = True
-                        chunk = _error_from(item)
+                        chunk = _error_from(item)       # what was not sent yet goes with the request
                         break
                     finished = item.finished
                     this = token_chunk(item)
                     chunk = this if chunk is None else merge_chunks(chunk, this)
+                    steps += 1
+                if not (first or finished or steps >= self.stream_interval):
+                    continue
                 if extra and chunk["type"] == "tokens":
                     chunk.update(extra)
                     extra = {}
                 yield chunk
+                first = first and not (chunk["type"] == "tokens" and chunk["token_ids"])   # until tokens went out
+                chunk, steps = None, 0
         finally:
             if not finished:
                 self.loop.abort(request_id)

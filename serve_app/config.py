@@ -155,6 +155,10 @@ class ServiceConfig(_Strict):
     # pools when both share a GPU, and READs them with NIXL otherwise; "nixl" always READs with NIXL.
     kv_transport: Literal["auto", "nixl"] = "auto"
     hold_timeout_s: float = Field(30.0, gt=0)        # prefill pages wait this long for their READ
+    # Engine steps per streamed chunk after a request's first (the first and the last go at once). Every chunk is
+    # an item through Serve's streams (replica, ingress, proxy); at 1 each step's tokens go out at once, at k a
+    # request's tokens go out every k steps, for k times fewer items (vLLM's --stream-interval does likewise).
+    stream_interval: int = Field(1, ge=1, le=64)
     max_concurrent_requests: int = Field(256, ge=1)  # choices (prompts x n) per ingress replica; beyond: 429
     max_request_bytes: int = Field(1 << 20, ge=1024)  # a larger request body is refused (413) unread
     # Clients must send "Authorization: Bearer <key>" on /v1/* when a key is set (here or, better, kept out of

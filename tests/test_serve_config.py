@@ -69,6 +69,7 @@ def test_ray_cluster_yaml_has_gpu_workers():
     ({"prefil": {}}, "prefil"),
     ({"mode": "hybrid"}, "mode"),
     ({"kv_transport": "rdma"}, "kv_transport"),
+    ({"stream_interval": 0}, "stream_interval"),
 ])
 def test_a_bad_config_names_the_field(data, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
@@ -97,7 +98,7 @@ def test_defaults_are_the_demo_pair_disaggregated():
     assert service.mode == "disaggregated" and service.model.model.endswith("models/demo/target")
     assert service.engine_roles() == ("prefill", "decode")
     assert (service.model.engine_config().cuda_graphs, service.model.engine_config().overlap) == ("auto", "auto")
-    assert service.kv_transport == "auto"
+    assert service.kv_transport == "auto" and service.stream_interval == 1
 
 
 def test_the_engine_settings_reach_the_engine_config():

@@ -168,3 +168,25 @@ def test_cli_generate_agg_tp2_prints_the_tp1_json(ray_cluster, capsys):
         records.append(json.loads(capsys.readouterr().out.strip()))
     assert records[1] == records[0]
     assert records[1]["mean_acceptance_length"] > 1.5 and len(records[1]["token_ids"]) == 24
+
+
+def test_stream_interval_sends_a_chunk_every_k_steps_after_the_first_token(demo_pair, demo_ids):
+    """``stream_interval`` k: the first token goes alone and at once (TTFT), then a request's tokens go every k
+    engine steps (or more, when the consumer fell behind), the last chunk at once; the tokens are the same."""
+    replica = demo_pair[1]
+
+    async def chunks(interval, request_id):
+        replica.stream_interval = interval
+        try:
+            return [c async for c in replica.generate(request_id, list(demo_ids[0]),
+                                                      SamplingParams(max_tokens=40, ignore_eos=True))]
+        finally:
+            replica.stream_interval = 1
+
+    every_step, every_third = asyncio.run(chunks(1, "k1")), asyncio.run(chunks(3, "k3"))
+    tokens = [[t for c in run for t in c["token_ids"]] for run in (every_step, every_third)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 40
+    carrying = [c for c in every_third if c["token_ids"]]
+    assert len(carrying[0]["token_ids"]) == 1 and carrying[-1]["finished"]
+    steps = len(carrying[-1]["spec"]["acceptance_lengths"]) or 39      # decode steps after the prefill's token
+    assert len(carrying) <= 2 + -(-steps // 3) < len([c for c in every_step if c["token_ids"]])
