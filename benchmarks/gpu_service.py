@@ -333,6 +333,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ingress-replicas", type=int, nargs="+", default=None, metavar="N",
                    help="throughput: with this many ingress replicas, each in turn (default: the config's)")
+    p.add_argument("--stream-interval", type=int, nargs="+", default=None, metavar="K",
+                   help="throughput: with the replicas streaming every K steps, each in turn (default: the config's)")
     p.add_argument("--out", default="out/gpu_service")
     args = p.parse_args()
 
@@ -343,6 +345,9 @@ def main() -> int:
     from tests.test_serve_support import free_port
 
     gpu = args.device.startswith("cuda")
+    # Throughput variants: every combination of the settings given (none: the config's).
+    variants = [{**({} if i is None else {"ingress_replicas": i}), **({} if k is None else {"stream_interval": k})}
+                for i in args.ingress_replicas or [None] for k in args.stream_interval or [None]]
     if gpu and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no GPU visible")
     out = Path(args.out)
@@ -374,7 +379,7 @@ def main() -> int:
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             for dtype in args.dtypes:
                 # One GPU, five engine replicas: 0.2 each (a disaggregated replica's KV manager takes 0.1 of it).
-                first = {} if not args.ingress_replicas else {"ingress_replicas": args.ingress_replicas[0]}
+                first = variants[0]
                 apps = {"agg": app_args("aggregated", dtype, args.device, 0.2, **first),
                         "disagg": app_args("disaggregated", dtype, args.device, 0.2, **first),
                         "ablate": app_args("disaggregated", dtype, args.device, 0.2, transfer_draft_kv=False)}
@@ -385,16 +390,15 @@ def main() -> int:
                     save(out, result)
                 if "throughput" in args.parts and dtype == args.dtypes[0]:
                     serve.delete("ablate")
-                    for n, ingresses in enumerate(args.ingress_replicas or [None]):
-                        if n:        # the same applications again, with this many ingress replicas
+                    for n, variant in enumerate(variants):
+                        if n:        # the same applications again, with this variant's settings
                             for name in ("agg", "disagg"):
                                 serve.delete(name)
-                            urls = deploy({name: app_args(apps[name]["mode"], dtype, args.device, 0.2,
-                                                          ingress_replicas=ingresses)
+                            urls = deploy({name: app_args(apps[name]["mode"], dtype, args.device, 0.2, **variant)
                                            for name in ("agg", "disagg")}, port)
                         batch = throughput(urls, args.concurrency, args.repeats, 64)
                         for summary in batch:
-                            summary["ingress_replicas"] = ingresses
+                            summary["variant"] = variant
                         summaries += batch
                 for name in list(urls):
                     if name in serve.status().applications:
@@ -411,12 +415,12 @@ def main() -> int:
         print(format_table(summaries))
         offline_rows = result["throughput"]["offline"]
         tables = []
-        for ingresses in args.ingress_replicas or [None]:
-            runs = [s for s in summaries if s["ingress_replicas"] == ingresses]
-            title = "" if ingresses is None else f"{ingresses} ingress replica(s):\n"
+        for variant in variants:
+            runs = [s for s in summaries if s["variant"] == variant]
+            title = "" if not variant else ", ".join(f"{k} {v}" for k, v in variant.items()) + ":\n"
             tables.append(title + _ratios(runs, [o for o in offline_rows if o["label"] == "offline"]))
         result["throughput"]["table"] = "\n\n".join(tables)
-        first_runs = [s for s in summaries if s["ingress_replicas"] == (args.ingress_replicas or [None])[0]]
+        first_runs = [s for s in summaries if s["variant"] == variants[0]]
         result["throughput"]["closed_loop_table"] = _ratios(
             first_runs, [o for o in offline_rows if o["label"] == "offline-closed-loop"]).replace(
             "HTTP / offline", "HTTP / closed-loop offline")

@@ -1,7 +1,8 @@
 """``dflash-serve bench``: a streaming load client for an OpenAI-compatible server.
 
 Reports TTFT, TPOT, ITL and end-to-end percentiles, throughput, and the acceptance length computed from
-the server's spec-decode counter deltas (mean AL = 1 + accepted / drafts), as a table, JSON and a PNG.
+the responses' spec-decode usage (or, from a server whose responses lack it, its /metrics counter deltas; mean AL
+= 1 + accepted / drafts), as a table, JSON and a PNG.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class RequestResult:
     prompt_tokens: int = 0
     output_tokens: int = 0
     error: str = ""
+    spec: tuple[float, float] | None = None     # (drafts, accepted tokens) from the response's usage, if it has them
 
     @property
     def tpot(self) -> float | None:
@@ -84,6 +86,9 @@ async def _one(client, url: str, model: str, prompt, args) -> RequestResult:
                 if event.get("usage"):
                     result.prompt_tokens = event["usage"]["prompt_tokens"]
                     result.output_tokens = event["usage"]["completion_tokens"]
+                    spec = event["usage"].get("spec_decode")
+                    if spec:
+                        result.spec = (spec["num_drafts"], spec["accepted_tokens"])
                 if event["choices"] and event["choices"][0]["text"]:
                     now = time.perf_counter()
                     if last is None:
@@ -164,7 +169,13 @@ def bench(args: argparse.Namespace) -> dict:
     results, duration = asyncio.run(_run(args, model, prompts))
     after = _spec_counters(args.url)
     ok = [r for r in results if r.ok]
-    drafts, accepted = after[0] - before[0], after[1] - before[1]
+    # Each response's own usage when every one has it: exact whatever serves /metrics (with several ingress
+    # replicas a scrape holds the others' counts as of their last report, up to a report interval old).
+    source = "usage" if ok and all(r.spec is not None for r in ok) else "metrics"
+    if source == "usage":
+        drafts, accepted = sum(r.spec[0] for r in ok), sum(r.spec[1] for r in ok)
+    else:
+        drafts, accepted = after[0] - before[0], after[1] - before[1]
     output_tokens = sum(r.output_tokens for r in ok)
     return {
         "label": args.label, "url": args.url, "model": model, "num_requests": len(results),
@@ -176,7 +187,7 @@ def bench(args: argparse.Namespace) -> dict:
         "total_token_throughput": (output_tokens + sum(r.prompt_tokens for r in ok)) / duration,
         "ttft_s": _pct([r.ttft for r in ok]), "tpot_s": _pct([r.tpot for r in ok if r.tpot is not None]),
         "itl_s": _pct([g for r in ok for g in r.itl]), "e2e_s": _pct([r.e2e for r in ok]),
-        "spec_decode": {"num_drafts": drafts, "accepted_tokens": accepted,
+        "spec_decode": {"num_drafts": drafts, "accepted_tokens": accepted, "source": source,
                         "mean_acceptance_length": (1 + accepted / drafts) if drafts else None},
         "_samples": {"ttft": [r.ttft for r in ok], "tpot": [r.tpot for r in ok if r.tpot is not None],
                      "e2e": [r.e2e for r in ok]},

@@ -675,3 +675,22 @@ def test_unknown_fields_and_harmless_defaults_stay_accepted(server):
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
             "response_format": {"type": "text"}, "tool_choice": "none", "tools": [], "logprobs": False}
     assert httpx.post(f"{server}/v1/chat/completions", json=chat, timeout=30).status_code == 200
+
+
+def test_the_bench_client_takes_acceptance_from_the_responses_usage(server):
+    """``dflash-serve bench`` sums each streamed response's spec-decode usage: the same drafts and accepted tokens
+    as the server's counters moved by (one ingress here, so its /metrics is current), whoever serves /metrics."""
+    import argparse
+
+    from serve_app.bench import _spec_counters, add_bench_args, bench
+
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    args = parser.parse_args(["--url", server, "--num-requests", "4", "--max-concurrency", "2", "--input-len", "12",
+                              "--output-len", "10", "--no-progress"])
+    before = _spec_counters(server)
+    summary = bench(args)
+    after = _spec_counters(server)
+    spec = summary["spec_decode"]
+    assert summary["completed"] == 4 and spec["source"] == "usage" and spec["num_drafts"] > 0
+    assert (spec["num_drafts"], spec["accepted_tokens"]) == (after[0] - before[0], after[1] - before[1])
