@@ -494,7 +494,9 @@ def precompile(num_q_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, q
     buckets = [16 << i for i in range(32) if (16 << i) // 2 < num_tiles]
     split_requests = sorted({1, min(2, num_tiles), *(min(b, num_tiles) for b in buckets)})
     q = 1
-    while q <= min(max_seq_len, max(64, split_kv_max_query_len(group))):
+    # Query blocks of 1, 2, 4, ... 64: every varlen tile (it saturates at 64 rows) and every split-KV one (those
+    # blocks stop at 64 rows, 64 / group queries).
+    while q <= min(max_seq_len, SPLIT_KV_MAX_ROWS):
         query = torch.zeros((q, num_q_heads, head_dim), dtype=query_dtype, device=device)
         meta = AttentionMetadata(query_start_loc=torch.tensor([0, q], dtype=torch.int32, device=device),
                                  seq_lens=seq_lens, block_tables=tables,
