@@ -315,8 +315,7 @@ class Ingress:
         interval = self.service.metrics_report_interval_s
         while not self._closed.wait(interval):
             try:
-                self.hub.report.remote(self.ingress_id, {"role": "ingress", "interval_s": interval,
-                                                         "metrics": self.metrics.own_text()})
+                self.hub.report.remote(self.ingress_id, self.metrics.report(interval))
             except Exception:      # a missed report only ages this ingress's share of /metrics
                 log.exception("metrics report failed")
 
@@ -416,8 +415,11 @@ class Ingress:
 
     @api.get("/metrics")
     async def prometheus(self):
+        # This ingress's counts reach the hub first (calls from one process run in order), then the page shows
+        # the hub's view of every ingress (``ServiceMetrics.render``).
+        await self.hub.report.remote(self.ingress_id, self.metrics.report(self.service.metrics_report_interval_s))
         snapshots = await self._snapshots()
-        return Response(self.metrics.render(snapshots, self.ingress_id), media_type=CONTENT_TYPE_LATEST)
+        return Response(self.metrics.render(snapshots), media_type=CONTENT_TYPE_LATEST)
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest):

@@ -10,6 +10,7 @@ it (``serve shutdown``, ``serve.delete``).
 
 from __future__ import annotations
 
+import threading
 import time
 
 import prometheus_client
@@ -41,6 +42,11 @@ class MetricsHub:
         self._snapshots: dict[str, tuple[float, dict]] = {}
 
     def report(self, reporter: str, snapshot: dict) -> None:
+        """Keep the reporter's latest snapshot; one that carries a ``seq`` older than the kept one's (an ingress's
+        reports sent from two threads may arrive out of order) only says the reporter is alive."""
+        kept = self._snapshots.get(reporter)
+        if kept is not None and snapshot.get("seq", 0) < kept[1].get("seq", 0):
+            snapshot = kept[1]
         self._snapshots[reporter] = (self._clock(), snapshot)
 
     def forget(self, reporter: str) -> None:
@@ -87,6 +93,8 @@ class ServiceMetrics:
 
     def __init__(self, model_name: str):
         self.model_name = model_name
+        self._seq = 0
+        self._report_lock = threading.Lock()
         m = ["model_name"]
         # Replica gauges: filled from the hub at each scrape.
         self.replica_registry = r = CollectorRegistry()
@@ -163,8 +171,14 @@ class ServiceMetrics:
 
     # --- per scrape, from the hub ---------------------------------------------------------------
     def own_text(self) -> str:
-        """This ingress's request metrics, as it reports them to the hub."""
+        """This ingress's request metrics in Prometheus text."""
         return generate_latest(self.registry).decode()
+
+    def report(self, interval_s: float) -> dict:
+        """This ingress's snapshot for the hub: its request metrics, numbered (``seq`` grows with the counts)."""
+        with self._report_lock:
+            self._seq += 1
+            return {"role": "ingress", "interval_s": interval_s, "metrics": self.own_text(), "seq": self._seq}
 
     def load_snapshots(self, snapshots: dict[str, dict]) -> None:
         """Replace the replica gauges with the sums over the live, healthy engine replicas' snapshots."""
@@ -183,11 +197,14 @@ class ServiceMetrics:
                 self.pages_in_use.labels(*labels).inc(pool["in_use"])
                 self.pages_total.labels(*labels).inc(pool["total"])
 
-    def render(self, snapshots: dict[str, dict], me: str) -> bytes:
-        """The whole page: every ingress's request metrics summed (this one's current, the others' last
-        report) and the replica gauges."""
+    def render(self, snapshots: dict[str, dict]) -> bytes:
+        """The whole page: every ingress's request metrics as the hub holds them, summed, and the replica gauges.
+        An ingress reports its own first, so its counts are current; taking the others' and its own alike from
+        the hub makes every ingress serve the same totals, which only grow from one scrape to the next whichever
+        ingress answers (its own live counts beside the others' older reports would not: a counter that went
+        back between two scrapes reads as a reset to Prometheus)."""
         self.load_snapshots(snapshots)
-        texts = [self.own_text()] + [s["metrics"] for r, s in snapshots.items() if s["role"] == "ingress" and r != me]
+        texts = [s["metrics"] for s in snapshots.values() if s["role"] == "ingress"]
         merged = CollectorRegistry()
         merged.register(_Families(merge_exposition(texts)))
         return generate_latest(merged) + generate_latest(self.replica_registry)

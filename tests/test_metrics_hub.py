@@ -18,3 +18,37 @@ def test_a_late_report_keeps_a_replica_and_a_silent_one_is_dropped():
     assert set(hub.snapshots()) == {"prefill-a"}
     hub.forget("prefill-a")
     assert hub.snapshots() == {}
+
+
+def test_every_ingress_serves_the_same_growing_totals():
+    """With several ingress replicas a scrape may reach any of them: each reports its own counts to the hub first
+    and serves the hub's view of all, so the totals never go back between scrapes (Prometheus would read a
+    counter that went back as a reset), and an older report arriving late changes nothing."""
+    from tests.test_serve_support import metric_samples, metric_sum
+
+    from serve_app.metrics import ServiceMetrics
+
+    hub = MetricsHub()
+    ingresses = {name: ServiceMetrics("demo") for name in ("a", "b")}
+
+    def finish(name, n):
+        for _ in range(n):
+            ingresses[name].observe_finished(num_prompt_tokens=3, num_generated=2, finish_reason="length", ttft=0.1,
+                                             e2e=0.2, spec=None)
+
+    def scrape(name):
+        hub.report(name, ingresses[name].report(0.2))
+        return metric_sum(metric_samples(ingresses[name].render(hub.snapshots()).decode()),
+                          "dflash_request_success_total")
+
+    finish("a", 3)
+    finish("b", 2)
+    stale = ingresses["a"].report(0.2)          # a's background report, overtaken below
+    hub.report("b", ingresses["b"].report(0.2))
+    finish("a", 5)
+    totals = [scrape("a"), scrape("b")]
+    hub.report("a", stale)                      # arrives after the newer one: ignored
+    totals.append(scrape("b"))
+    finish("b", 1)
+    totals += [scrape("b"), scrape("a")]
+    assert totals == [10, 10, 10, 11, 11]

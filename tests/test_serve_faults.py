@@ -124,6 +124,10 @@ def test_metrics_of_any_ingress_count_the_requests_of_every_ingress(server):
     with ThreadPoolExecutor(8) as pool:
         assert {r.status_code for r in pool.map(lambda _: httpx.post(f"{server}/v1/completions", json=body,
                                                                       timeout=60), range(16))} == {200}
+    # Right away, whichever ingress answers: one may not have reported its last requests yet, but the totals
+    # never go back from one scrape to the next (each ingress serves the hub's view, its own reported first).
+    seen = [finished(httpx.get(f"{server}/metrics", timeout=30).text) for _ in range(8)]
+    assert seen == sorted(seen) and seen[-1] <= before + 16, seen
     time.sleep(1.0)       # every ingress has reported since (every 0.2 s)
     per_ingress = [finished(s["metrics"]) for s in serve.get_deployment_handle("MetricsHub", "dflash")
                    .snapshots.remote().result().values() if s["role"] == "ingress"]
