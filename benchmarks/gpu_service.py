@@ -234,8 +234,8 @@ def transports(url: str) -> dict[str, float]:
 
 
 def throughput(urls: dict[str, str], concurrencies: list[int], repeats: int, output_len: int) -> list[dict]:
-    from benchmarks.serve_bench import _bench_args, _transfer_counters
     from benchmarks.proc_cpu import bench_with_cpu, format_usage
+    from benchmarks.serve_bench import _bench_args, _transfer_counters
     from serve_app.bench import bench, format_table
 
     ns = argparse.Namespace(prompt_file=str(REPO / "benchmarks" / "prompts" / "heldout.jsonl"), input_len=64,
@@ -459,7 +459,7 @@ def print_tables(result: dict) -> None:
               f"{s.get('transfers_by_transport')}")
     if result.get("throughput"):
         print("\n" + result["throughput"]["table"])
-        print("\nAgainst the offline engine fed as a server is (a closed loop):\n"
+        print("\nAgainst the offline engine in a closed loop (fed as the load client feeds the server):\n"
               + result["throughput"].get("closed_loop_table", ""))
         for c in sorted({o["max_concurrency"] for o in result["throughput"]["offline"]}):
             rates = {label: statistics.median(o["output_throughput"] for o in result["throughput"]["offline"]

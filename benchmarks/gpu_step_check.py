@@ -114,7 +114,6 @@ def seeded_repeat(device: str, prompts: list[str], max_tokens: int) -> list[tupl
 
 
 def graphs_match_eager(device: str, prompts: list[str], max_tokens: int) -> list[tuple[str, bool, str]]:
-
     rows = []
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for dtype in ("float32", "bfloat16"):
@@ -155,7 +154,6 @@ def graphs_match_eager(device: str, prompts: list[str], max_tokens: int) -> list
 
 
 def overlap_matches_sync(device: str, prompts: list[str], max_tokens: int) -> list[tuple[str, bool, str]]:
-
     rows = []
     for dtype in ("float32", "bfloat16"):
         for drafter in (False, True):
