@@ -233,13 +233,14 @@ def transports(url: str) -> dict[str, float]:
     return {t: metric_sum(samples, "dflash_kv_transfers_total", transport=t) for t in ("nixl", "ipc")}
 
 
-def throughput(urls: dict[str, str], concurrencies: list[int], repeats: int, output_len: int) -> list[dict]:
+def throughput(urls: dict[str, str], concurrencies: list[int], repeats: int, output_len: int,
+               client_processes: int = 1) -> list[dict]:
     from benchmarks.proc_cpu import bench_with_cpu, format_usage
     from benchmarks.serve_bench import _bench_args, _transfer_counters
     from serve_app.bench import bench, format_table
 
     ns = argparse.Namespace(prompt_file=str(REPO / "benchmarks" / "prompts" / "heldout.jsonl"), input_len=64,
-                            output_len=output_len, min_requests=16)
+                            output_len=output_len, min_requests=16, client_processes=client_processes)
     for concurrency in concurrencies:          # warm-up, not counted: kernels compile for new batch shapes
         for name in ("agg", "disagg"):
             bench(_bench_args(urls[name], f"{name}-warm-up", concurrency, ns))
@@ -336,8 +337,13 @@ def main() -> int:
     p.add_argument("--stream-interval", type=int, nargs="+", default=None, metavar="K",
                    help="throughput: with the replicas streaming every K steps, each in turn (default: the config's)")
     p.add_argument("--out", default="out/gpu_service")
+    p.add_argument("--serve-mode", choices=["throughput", "default"], default="throughput",
+                   help="as in benchmarks/serve_bench.py")
+    p.add_argument("--client-processes", type=int, default=1, help="load client processes per run")
     args = p.parse_args()
+    from benchmarks.serve_bench import _serve_mode
 
+    serving = _serve_mode(args.serve_mode)
     import ray
     import torch
     from ray import serve
@@ -352,13 +358,14 @@ def main() -> int:
         raise SystemExit("--device cuda: no GPU visible")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result: dict = {"device": torch.cuda.get_device_name() if gpu else "cpu", "config": str(CONFIG.relative_to(REPO))}
+    result: dict = {"device": torch.cuda.get_device_name() if gpu else "cpu", "config": str(CONFIG.relative_to(REPO)),
+                    "serve_mode": args.serve_mode}
     # Ray starts workers at nice 15; the offline engine runs here at nice 0 (see benchmarks/serve_bench.py).
     os.environ.setdefault("RAY_worker_niceness", "0")
     # Logical CPUs: 3 applications x (ingress + 2 engine replicas) take 1 each, more than a small box has.
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 12), num_gpus=1 if gpu else 0,
              include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **serving}})
     try:
         if "pages" in args.parts:
             tokens = args.tokens or ([2000, 32000] if gpu else [2000])
@@ -396,7 +403,7 @@ def main() -> int:
                                 serve.delete(name)
                             urls = deploy({name: app_args(apps[name]["mode"], dtype, args.device, 0.2, **variant)
                                            for name in ("agg", "disagg")}, port)
-                        batch = throughput(urls, args.concurrency, args.repeats, 64)
+                        batch = throughput(urls, args.concurrency, args.repeats, 64, args.client_processes)
                         for summary in batch:
                             summary["variant"] = variant
                         summaries += batch
@@ -437,7 +444,7 @@ def save(out: Path, result: dict) -> None:
 def print_tables(result: dict) -> None:
     from actors.nixl_transfer import READ_POLL_MAX_S
 
-    print(f"\n{result['device']}, {result['config']}")
+    print(f"\n{result['device']}, {result['config']}, Serve mode {result.get('serve_mode')}")
     if result.get("pages"):
         print("\n| op | transport | UCX | poll max us | split MiB | prompt tokens | pages | pattern | MB | descriptors | "
               "move ms | plan / post / launch / wait ms | copy ms | move / copy speed | landed | "

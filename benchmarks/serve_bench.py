@@ -41,7 +41,8 @@ def _bench_args(url: str, label: str, concurrency: int, args) -> argparse.Namesp
     prompts = ["--prompt-file", args.prompt_file] if args.prompt_file else ["--input-len", str(args.input_len)]
     return p.parse_args(["--url", url, "--label", label, "--max-concurrency", str(concurrency),
                          "--num-requests", str(max(args.min_requests, 2 * concurrency)), *prompts,
-                         "--output-len", str(args.output_len), "--seed", "0", "--no-progress"])
+                         "--output-len", str(args.output_len), "--seed", "0", "--no-progress",
+                         "--client-processes", str(getattr(args, "client_processes", 1))])
 
 
 def _offline(target: str, drafter: str, prompts: list, concurrency: int, output_len: int) -> dict:
@@ -106,6 +107,15 @@ def _ratios(summaries: list[dict], offline: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def _serve_mode(mode: str) -> dict[str, str]:
+    """Set the environment for ``--serve-mode`` before Ray starts (and before Serve is imported: it reads it then)."""
+    from serve_app.config import SERVE_ENV, serve_env
+
+    if mode == "default":
+        os.environ.update({name: "0" for name in SERVE_ENV})
+    return serve_env()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -119,7 +129,14 @@ def main() -> int:
     p.add_argument("--out", default="out/serve_bench")
     p.add_argument("--worker-niceness", type=int, default=0,
                    help="nice value of the Ray workers (Ray's own default is 15); the offline engine runs at 0")
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="load client processes per run (dflash-serve bench --client-processes)")
+    p.add_argument("--serve-mode", choices=["throughput", "default"], default="throughput",
+                   help="throughput: Ray Serve's high-throughput mode, as dflash-serve up runs it (SERVE_ENV in "
+                        "serve_app/config.py); default: Serve's own defaults (its Python HTTP proxy, Ray calls "
+                        "between deployments)")
     args = p.parse_args()
+    serving = _serve_mode(args.serve_mode)
     # Read by the raylet this process starts (RayConfig ``worker_niceness``).
     os.environ["RAY_worker_niceness"] = str(args.worker_niceness)
 
@@ -137,7 +154,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **serving}})
     summaries = []
     try:
         port = free_port()
@@ -170,7 +187,8 @@ def main() -> int:
     for _, concurrency in [(r, c) for r in range(args.repeats) for c in args.concurrency]:
         prompts = _prompts(_bench_args("", "offline", concurrency, args))
         offline.append(_offline(target, drafter, prompts, concurrency, args.output_len))
-    print(f"pair: {pair}; Ray workers at nice {args.worker_niceness}, offline engine at nice {os.nice(0)}")
+    print(f"pair: {pair}; Ray workers at nice {args.worker_niceness}, offline engine at nice {os.nice(0)}; "
+          f"Serve mode {args.serve_mode} ({serving})")
     print(format_table(summaries))
     print(_ratios(summaries, offline))
     print("| offline | conc | req/s | out tok/s | E2E p50 (batch) ms | AL |\n|---|---|---|---|---|---|")

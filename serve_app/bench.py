@@ -37,6 +37,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", dest="json_out", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a PNG of the latency distributions here")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="load client processes sharing the requests and the concurrency: one Python process parses "
+                        "a few thousand SSE events a second at most, and the server must be the bound, not the client")
 
 
 @dataclass
@@ -159,6 +162,49 @@ async def _run(args, model: str, prompts: list) -> tuple[list[RequestResult], fl
     return list(results), duration
 
 
+def _shares(args, prompts: list) -> list[tuple[argparse.Namespace, list]]:
+    """Per client process: its arguments (a share of the concurrency and request rate) and its prompts."""
+    n = max(1, min(args.client_processes, len(prompts), args.max_concurrency or len(prompts)))
+    shares = []
+    for i in range(n):
+        share = argparse.Namespace(**vars(args))
+        if args.max_concurrency:
+            share.max_concurrency = args.max_concurrency // n + (i < args.max_concurrency % n)
+        share.request_rate = args.request_rate / n
+        share.seed = args.seed + i
+        share.no_progress = args.no_progress or i > 0
+        shares.append((share, prompts[i::n]))
+    return shares
+
+
+def _warm_up(_: int) -> None:
+    import httpx  # noqa: F401
+
+
+def _run_share(args, model: str, prompts: list, start_at: float) -> tuple[list[RequestResult], float, float]:
+    """One client process's share, started at the wall-clock time ``start_at`` (every share at once)."""
+    time.sleep(max(0.0, start_at - time.time()))
+    began = time.time()
+    results, _ = asyncio.run(_run(args, model, prompts))
+    return results, began, time.time()
+
+
+def _run_all(args, model: str, prompts: list) -> tuple[list[RequestResult], float]:
+    shares = _shares(args, prompts)
+    if len(shares) == 1:
+        return asyncio.run(_run(args, model, prompts))
+    import concurrent.futures
+    import multiprocessing
+
+    # Spawned, not forked: the calling process may hold Ray's threads and sockets.
+    with concurrent.futures.ProcessPoolExecutor(len(shares), mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_warm_up, range(len(shares))))          # processes up and httpx imported before the clock
+        start_at = time.time() + 0.5
+        done = list(pool.map(_run_share, *zip(*[(a, model, p, start_at) for a, p in shares])))
+    results = [r for share, _, _ in done for r in share]
+    return results, max(end for _, _, end in done) - min(began for _, began, _ in done)
+
+
 def bench(args: argparse.Namespace) -> dict:
     """Run one load test; returns the summary dict (what ``--json`` writes)."""
     import httpx
@@ -166,7 +212,7 @@ def bench(args: argparse.Namespace) -> dict:
     model = args.model or httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"][0]["id"]
     prompts = _prompts(args)
     before = _spec_counters(args.url)
-    results, duration = asyncio.run(_run(args, model, prompts))
+    results, duration = _run_all(args, model, prompts)
     after = _spec_counters(args.url)
     ok = [r for r in results if r.ok]
     # Each response's own usage when every one has it: exact whatever serves /metrics (with several ingress
@@ -182,7 +228,7 @@ def bench(args: argparse.Namespace) -> dict:
         "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
         "max_concurrency": args.max_concurrency, "request_rate": args.request_rate, "input_len": args.input_len,
-        "output_len": args.output_len, "duration_s": duration,
+        "output_len": args.output_len, "duration_s": duration, "client_processes": len(_shares(args, prompts)),
         "request_throughput": len(ok) / duration, "output_throughput": output_tokens / duration,
         "total_token_throughput": (output_tokens + sum(r.prompt_tokens for r in ok)) / duration,
         "ttft_s": _pct([r.ttft for r in ok]), "tpot_s": _pct([r.tpot for r in ok if r.tpot is not None]),

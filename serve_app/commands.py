@@ -68,6 +68,9 @@ def _check_checkpoints(service) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from serve_app.config import serve_env
+
+    serving = serve_env()       # before Serve is imported here, and passed on to every process of the cluster
     import httpx
     import ray
     from ray import serve
@@ -82,7 +85,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
+    env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **serving}}
     address = os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, runtime_env=env, configure_logging=False)

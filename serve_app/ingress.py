@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from actors.worker import freeze_heap
 from engine.sequence import SamplingParams, TokenLogprob
 from serve_app.config import ServiceConfig
-from serve_app.metrics import ServiceMetrics
+from serve_app.metrics import HubClient, ServiceMetrics
 from serve_app.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                 ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
                                 ChatTokenLogprob, CompletionChoice, CompletionChunk, CompletionLogprobs,
@@ -282,6 +282,7 @@ class Ingress:
         self.metrics = ServiceMetrics(self.model_name)
         self.router = Router(backends, on_transfer=lambda stats: self.metrics.observe_transfer(stats, stats is None))
         self.hub = hub
+        self._hub_client = HubClient(hub)      # for the reporter thread
         self.ingress_id = f"ingress-{uuid.uuid4().hex[:8]}"
         self._closed = threading.Event()
         threading.Thread(target=self._report, name="metrics-reporter", daemon=True).start()
@@ -315,14 +316,14 @@ class Ingress:
         interval = self.service.metrics_report_interval_s
         while not self._closed.wait(interval):
             try:
-                self.hub.report.remote(self.ingress_id, self.metrics.report(interval))
+                self._hub_client.report(self.ingress_id, self.metrics.report(interval))
             except Exception:      # a missed report only ages this ingress's share of /metrics
                 log.exception("metrics report failed")
 
     def __del__(self):
         self._closed.set()
         try:
-            self.hub.forget.remote(self.ingress_id)
+            self._hub_client.forget(self.ingress_id)
         except Exception:
             pass
 

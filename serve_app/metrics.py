@@ -10,6 +10,7 @@ it (``serve shutdown``, ``serve.delete``).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -59,6 +60,40 @@ class MetricsHub:
         for reporter in stale:
             del self._snapshots[reporter]
         return {reporter: snap for reporter, (_, snap) in self._snapshots.items()}
+
+
+class HubClient:
+    """The hub's handle for a process's reporter thread. Serve may bind a handle to the event loop of the replica's
+    user code (its router runs on that loop in Serve's throughput-optimized mode, and a call from another thread
+    fails there), so calls made off that loop are handed to it. Made in the replica's constructor, which Serve runs
+    on that loop; made outside any loop (a replica built directly), calls go out from the calling thread."""
+
+    def __init__(self, hub):
+        self.hub = hub
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+
+    def report(self, reporter: str, snapshot: dict) -> None:
+        self._send(lambda: self.hub.report.remote(reporter, snapshot))
+
+    def forget(self, reporter: str) -> None:
+        self._send(lambda: self.hub.forget.remote(reporter))
+
+    def _send(self, call) -> None:
+        loop = self._loop
+        if loop is None:
+            call()
+            return
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            call()
+        elif not loop.is_closed():      # a closed loop: the replica is gone, and its reports with it
+            loop.call_soon_threadsafe(call)
 
 
 def merge_exposition(texts: list[str]) -> list[Metric]:

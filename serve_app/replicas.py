@@ -8,7 +8,7 @@ import threading
 
 from actors.replica import AggregatedReplica, DecodeReplica, PrefillReplica
 from serve_app.config import ServiceConfig
-from serve_app.metrics import engine_snapshot
+from serve_app.metrics import HubClient, engine_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ class _Served:
                          hold_timeout_s=self.service.hold_timeout_s, transfer_draft_kv=self.service.transfer_draft_kv,
                          kv_transport=self.service.kv_transport, stream_interval=self.service.stream_interval)
         self._closed = threading.Event()
-        self._hub = hub
+        self._hub = HubClient(hub)
         self._reporter = threading.Thread(target=self._report, name="metrics-reporter", daemon=True)
         self._reporter.start()
 
@@ -46,7 +46,7 @@ class _Served:
                         log.warning("%s: a rank is slow to answer: %s", self.replica_id, "; ".join(map(str, problems)))
                     snap = self.loop.submit(lambda e: engine_snapshot(e, self.role, interval, awaiting)
                                             ).result(timeout=10)
-                self._hub.report.remote(self.replica_id, snap)
+                self._hub.report(self.replica_id, snap)
             except Exception:      # a missed report only ages the gauges; keep the replica serving
                 if self._closed.is_set():      # shut down while reporting: the engine loop is gone, as meant
                     return
@@ -60,7 +60,7 @@ class _Served:
             return
         self._closed.set()
         try:
-            self._hub.forget.remote(self.replica_id)
+            self._hub.forget(self.replica_id)
         except Exception:
             pass
         super().shutdown()

@@ -4,6 +4,10 @@ import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from serve_app.config import serve_env  # noqa: E402
+
+serve_env()       # Serve as `dflash-serve up` runs it, in this process and the clusters it starts
+
 import pytest
 import torch
 

@@ -694,3 +694,23 @@ def test_the_bench_client_takes_acceptance_from_the_responses_usage(server):
     spec = summary["spec_decode"]
     assert summary["completed"] == 4 and spec["source"] == "usage" and spec["num_drafts"] > 0
     assert (spec["num_drafts"], spec["accepted_tokens"]) == (after[0] - before[0], after[1] - before[1])
+
+
+def test_the_bench_client_splits_its_load_over_processes(server):
+    """``--client-processes``: the requests and the concurrency are shared out (none lost, none twice), every
+    process's requests complete, and the run reports one summary over all of them."""
+    import argparse
+
+    from serve_app.bench import _prompts, _shares, add_bench_args, bench
+
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    args = parser.parse_args(["--url", server, "--num-requests", "5", "--max-concurrency", "3", "--input-len", "8",
+                              "--output-len", "6", "--no-progress", "--client-processes", "2"])
+    prompts = _prompts(args)
+    shares = _shares(args, prompts)
+    assert [a.max_concurrency for a, _ in shares] == [2, 1]
+    assert sorted(map(tuple, (p for _, ps in shares for p in ps))) == sorted(map(tuple, prompts))
+    summary = bench(args)
+    assert summary["client_processes"] == 2 and summary["completed"] == 5, summary["errors"]
+    assert summary["output_throughput"] * summary["duration_s"] == pytest.approx(5 * 6)

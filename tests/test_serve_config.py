@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve_app.config import ConfigError, ServiceConfig, load_config_file, parse_service_config
+from serve_app.config import SERVE_ENV, ConfigError, ServiceConfig, load_config_file, parse_service_config, serve_env
 
 CONFIGS = Path(__file__).resolve().parents[1] / "cluster_configs"
 SERVE_CONFIGS = ["local_cpu.yaml", "agg_gpu.yaml", "disagg_1p1d_gpu.yaml", "disagg_2p1d_gpu.yaml", "disagg_1gpu.yaml"]
@@ -57,6 +57,27 @@ def test_ray_cluster_yaml_has_gpu_workers():
     cluster = yaml.safe_load((CONFIGS / "ray_cluster_gpu.yaml").read_text())
     assert cluster["head_node_type"] in cluster["available_node_types"]
     assert cluster["available_node_types"]["gpu_worker"]["max_workers"] >= 1
+
+
+def test_cluster_files_start_ray_with_the_serving_environment():
+    """Serve reads SERVE_ENV in every process of the cluster: the node start commands and the pods carry it all."""
+    cluster = yaml.safe_load((CONFIGS / "ray_cluster_gpu.yaml").read_text())
+    for commands in (cluster["head_start_ray_commands"], cluster["worker_start_ray_commands"]):
+        start = next(c for c in commands if "ray start" in c)
+        assert dict(w.split("=", 1) for w in start.split() if "=" in w and w.startswith("RAY_SERVE_")) == SERVE_ENV
+    manifest = yaml.safe_load((CONFIGS / "rayservice_disagg.yaml").read_text())
+    pods = [manifest["spec"]["rayClusterConfig"]["headGroupSpec"]] + manifest["spec"]["rayClusterConfig"][
+        "workerGroupSpecs"]
+    for pod in pods:
+        env = {e["name"]: e.get("value") for e in pod["template"]["spec"]["containers"][0]["env"]}
+        assert {k: v for k, v in env.items() if k.startswith("RAY_SERVE_")} == SERVE_ENV
+
+
+def test_serve_env_fills_in_what_the_environment_leaves_unset():
+    environ = {"RAY_SERVE_ENABLE_HA_PROXY": "0", "PATH": "/bin"}
+    got = serve_env(environ)
+    assert got == {**SERVE_ENV, "RAY_SERVE_ENABLE_HA_PROXY": "0"}       # an explicit 0 opts out
+    assert environ == {**SERVE_ENV, "RAY_SERVE_ENABLE_HA_PROXY": "0", "PATH": "/bin"}
 
 
 @pytest.mark.parametrize("data,field", [
