@@ -42,6 +42,7 @@ class EngineLoop:
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._finishers: dict[str, Callable[[LLMEngine, RequestOutput], Any]] = {}
         self._stop = threading.Event()
         self._hooks: list[Callable[[LLMEngine], None]] = []
         self._failure: BaseException | None = None     # set by ``fail``
@@ -69,15 +70,22 @@ class EngineLoop:
         """``submit`` for coroutines: await the result."""
         return asyncio.wrap_future(self.submit(fn))
 
-    def open_stream(self, request_id: str) -> asyncio.Queue:
+    def open_stream(self, request_id: str, on_finish: Callable[[LLMEngine, RequestOutput], Any] | None = None
+                    ) -> asyncio.Queue:
         """A queue that receives this request's RequestOutputs (the last one has ``finished``), or an
-        exception if the engine failed it."""
+        exception if the engine failed it. With ``on_finish``, the finished output arrives as the pair
+        ``(output, on_finish(engine, output))``, computed on the loop thread as the output is handed over (what
+        needs the engine at that moment costs no second trip to the loop thread); an exception it raises
+        arrives instead."""
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
+        if on_finish is not None:
+            self._finishers[request_id] = on_finish
         return q
 
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+        self._finishers.pop(request_id, None)
 
     def abort(self, request_id: str) -> concurrent.futures.Future:
         """Abort and free the request's pages; safe in a cancelled coroutine's ``finally`` (nothing to await)."""
@@ -85,7 +93,8 @@ class EngineLoop:
         return self.submit(lambda engine: engine.abort(request_id))
 
     def deliver(self, items: list[tuple[str, Any]]) -> None:
-        """Hand ``(request_id, RequestOutput | exception)`` items to their streams, one wake-up per event loop."""
+        """Hand ``(request_id, RequestOutput | exception)`` items to their streams, one wake-up per event loop.
+        Outputs are handed over on the loop thread (``on_finish`` runs here); exceptions from any thread."""
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
         for request_id, item in items:
             target = self._streams.get(request_id)
@@ -93,6 +102,12 @@ class EngineLoop:
                 continue
             if not isinstance(item, RequestOutput) or item.finished:
                 self._streams.pop(request_id, None)
+                finisher = self._finishers.pop(request_id, None)
+                if finisher is not None and isinstance(item, RequestOutput):
+                    try:
+                        item = (item, finisher(self.engine, item))
+                    except Exception as e:       # the request's own failure, told to its stream
+                        item = e
             batches.setdefault(target[0], []).append((target[1], item))
         for loop, batch in batches.items():
             try:

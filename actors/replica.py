@@ -291,7 +291,22 @@ class PrefillReplica(EngineReplica):
         """``{"ticket": Ticket}`` to continue on a decode replica, or ``{"chunk": ...}`` when the request
         ends here (its first token ends it, or it failed)."""
         start = time.perf_counter()
-        queue = self.loop.open_stream(request_id)
+        num_pages = -(-len(prompt_token_ids) // self.engine.kv.page_size)
+
+        def handover(e, out: RequestOutput):
+            """On the engine thread as the finished output is handed over: what a ticket needs from the engine."""
+            # Only the max_tokens=1 of this side stops a request that goes on to decode.
+            if out.finish_reason != "length" or params.max_tokens == 1:
+                return None
+            try:
+                e.sync_ranks()      # ranks > 0 have written their draft layers too before anyone READs them
+                return ([e.kv.block_table(request_id, s)[:num_pages] for s in range(len(e.kv.pools))],
+                        e.first_text_delta(prompt_token_ids, params, out.token_ids[0]))
+            except Exception:
+                e.release(request_id)        # its stream gets the error: nothing is held for it
+                raise
+
+        queue = self.loop.open_stream(request_id, on_finish=handover)
         try:
             await self.loop.call(lambda e: e.add_request(
                 prompt_token_ids, dataclasses.replace(params, max_tokens=1), request_id=request_id,
@@ -304,14 +319,14 @@ class PrefillReplica(EngineReplica):
             return {"chunk": _error_from(e)}
         settled = False       # True once the pages are freed or held under a lease
         try:
-            out = await queue.get()
-            while not isinstance(out, BaseException) and not out.finished:
-                out = await queue.get()        # a partial prefill chunk: the prompt is not computed yet
-            if isinstance(out, BaseException):
-                settled = True                 # the engine loop already freed it
-                return {"chunk": _error_from(out)}
-            # Only the max_tokens=1 of this side stops a request that goes on to decode.
-            if out.finish_reason != "length" or params.max_tokens == 1:
+            item = await queue.get()
+            while isinstance(item, RequestOutput):
+                item = await queue.get()       # a partial prefill chunk: the prompt is not computed yet
+            if isinstance(item, BaseException):
+                settled = True                 # the engine loop (or the failed hand-over) already freed it
+                return {"chunk": _error_from(item)}
+            out, handed = item
+            if handed is None:        # the request ends here
                 self.loop.submit(lambda e: e.release(request_id))
                 settled = True
                 chunk = token_chunk(out)
@@ -319,25 +334,25 @@ class PrefillReplica(EngineReplica):
                 if out.logprobs is not None:
                     chunk["logprobs"] = list(out.logprobs)
                 return {"chunk": chunk}
-            num_pages = -(-len(prompt_token_ids) // self.engine.kv.page_size)
-            first = out.token_ids[0]
-            tables, first_text = await self.loop.call(lambda e: (
-                e.sync_ranks(),      # ranks > 0 have written their draft layers too before anyone READs them
-                [e.kv.block_table(request_id, s)[:num_pages] for s in range(len(e.kv.pools))],
-                e.first_text_delta(prompt_token_ids, params, first))[1:])
-            # Sent, not awaited: the ticket goes out now, and a READ that overtakes the hold waits for it.
+            tables, first_text = handed
             leases = [f"{request_id}#{uuid.uuid4().hex[:8]}" for _ in self.group.kv_managers]
-            for kvm, lease in zip(self.group.kv_managers, leases):
-                detached(kvm.hold.remote, request_id, lease, self.hold_timeout_s)
+            ticket = Ticket(request_id, list(prompt_token_ids), params, out.token_ids[0], tables, leases,
+                            [self.group.agent_name(i) for i in range(len(leases))], list(self.group.rank_infos),
+                            first_text, out.num_cached_tokens, time.perf_counter() - start,
+                            out.logprobs[0] if out.logprobs else None)
+            # The holds are sent right after the ticket goes out, not before it and not awaited: a READ that
+            # overtakes its hold waits for it (or a cancel frees the pages when the hold arrives).
+            asyncio.get_running_loop().call_soon(self._hold, request_id, leases, context=contextvars.Context())
             settled = True
-            return {"ticket": Ticket(request_id, list(prompt_token_ids), params, first, tables, leases,
-                                     [self.group.agent_name(i) for i in range(len(leases))],
-                                     list(self.group.rank_infos), first_text, out.num_cached_tokens,
-                                     time.perf_counter() - start, out.logprobs[0] if out.logprobs else None)}
+            return {"ticket": ticket}
         finally:
             self.loop.close_stream(request_id)
             if not settled:
                 self.loop.abort(request_id)
+
+    def _hold(self, request_id: str, leases: list[str]) -> None:
+        for kvm, lease in zip(self.group.kv_managers, leases):
+            kvm.hold.remote(request_id, lease, self.hold_timeout_s)
 
 
 class DecodeReplica(EngineReplica):

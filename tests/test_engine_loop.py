@@ -180,3 +180,39 @@ def test_a_failure_ends_the_streams_even_while_the_loop_is_stuck(tiny_target, tm
     release.set()
     loop._thread.join(10)
     assert not loop._thread.is_alive() and not engine.requests and engine.kv.pages_in_use() == 0
+
+
+def test_on_finish_runs_on_the_loop_thread_as_the_finished_output_is_handed_over(loop):
+    """A stream opened with ``on_finish`` gets its finished output as ``(output, on_finish(engine, output))``,
+    computed on the loop thread while the request's pages are still its own; an error in it reaches the stream
+    instead; partial outputs pass as they are."""
+    import threading
+
+    short = SamplingParams(max_tokens=3, ignore_eos=True)
+
+    async def run(request_id: str, on_finish) -> list:
+        q = loop.open_stream(request_id, on_finish=on_finish)
+        await loop.call(lambda e: e.add_request(PROMPTS[0][:20], short, request_id=request_id, hold_pages=True))
+        items = [await asyncio.wait_for(q.get(), 10)]
+        while not isinstance(items[-1], (tuple, BaseException)):
+            assert not items[-1].finished, "the finished output came without on_finish's result"
+            items.append(await asyncio.wait_for(q.get(), 10))
+        loop.close_stream(request_id)
+        await loop.call(lambda e: e.release(request_id) if request_id in e.requests else None)
+        return items
+
+    def tables(engine, out):
+        assert threading.current_thread().name == "engine-loop"
+        return out.request_id, list(engine.kv.block_table(out.request_id, 0))
+
+    items = asyncio.run(run("fin-a", tables))
+    out, (rid, pages) = items[-1]
+    assert out.finished and rid == "fin-a" and len(pages) >= 2       # 20 prompt tokens + lookahead: 2 pages
+    assert all(not o.finished for o in items[:-1])
+
+    def broken(engine, out):
+        raise RuntimeError("hand-over failed")
+
+    items = asyncio.run(run("fin-b", broken))
+    assert isinstance(items[-1], RuntimeError) and "hand-over failed" in str(items[-1])
+    assert pages_in_use(loop) == 0
