@@ -283,30 +283,47 @@ def offline(args, concurrencies: list[int], repeats: int, output_len: int, dtype
             tokens += sum(len(o.token_ids) for o in llm.generate(prompts[i:i + concurrency], params))
         rows.append({"label": "offline", "max_concurrency": concurrency,
                      "output_throughput": tokens / (time.perf_counter() - start)})
-        rows.append({"label": "offline-closed-loop", "max_concurrency": concurrency,
-                     "output_throughput": closed_loop(llm, prompts, params, concurrency)})
+        for label, stagger in (("offline-closed-loop", False), ("offline-staggered", True)):
+            rows.append({"label": label, "max_concurrency": concurrency,
+                         **closed_loop(llm, prompts, params, concurrency, stagger)})
     return rows
 
 
-def closed_loop(llm, prompts: list[str], params, concurrency: int) -> float:
-    """Output tokens/s of the engine alone fed as the HTTP load client feeds a server: ``concurrency`` requests in
-    flight, the next one added as soon as one finishes (the batched offline run above starts each batch of
-    ``concurrency`` together and runs it to its end, so its rows never change mid-run)."""
+def closed_loop(llm, prompts: list[str], params, concurrency: int, stagger: bool = False) -> dict:
+    """The engine alone fed as the HTTP load client feeds a server: ``concurrency`` requests in flight, the next
+    one added as soon as one finishes (the batched offline run above starts each batch of ``concurrency``
+    together and runs it to its end, so its rows never change mid-run). Started together, requests of one output
+    length stay in step and finish together; ``stagger`` starts them one step apart, as requests arriving over
+    HTTP do, so they keep arriving one or two at a time. Returns output tokens/s and the steps' wall times, split
+    into those that brought a request's first token (a prompt was computed: no CUDA graph) and the others."""
     import torch
 
     engine, waiting = llm.engine, [llm.tokenizer.encode(p) for p in reversed(prompts)]
     live = tokens = 0
-    start = time.perf_counter()
+    times: dict[str, list[float]] = {"prefill": [], "decode": []}
+    start = last = time.perf_counter()
     with torch.inference_mode():
         while waiting or engine.has_unfinished():
-            while live < concurrency and waiting:
+            admit = 1 if stagger and live < concurrency and tokens == 0 else concurrency - live
+            while admit > 0 and waiting:
                 engine.add_request(waiting.pop(), params, request_id=f"closed-{len(waiting)}")
                 live += 1
-            for out in engine.step():
+                admit -= 1
+            outs = engine.step()
+            now = time.perf_counter()
+            first = any(len(o.token_ids) == len(o.new_token_ids) for o in outs)
+            times["prefill" if first else "decode"].append(now - last)
+            last = now
+            for out in outs:
                 if out.finished:
                     live -= 1
                     tokens += len(out.token_ids)
-    return tokens / (time.perf_counter() - start)
+    row = {"output_throughput": tokens / (time.perf_counter() - start)}
+    for kind, values in times.items():
+        row[f"{kind}_steps"] = len(values)
+        row[f"{kind}_step_ms_p50"] = statistics.median(values) * 1e3 if values else None
+        row[f"{kind}_step_s_total"] = sum(values)
+    return row
 
 
 def main() -> int:
@@ -475,6 +492,13 @@ def print_tables(result: dict) -> None:
             print(f"concurrency {c}: offline {rates['offline']:.0f} tok/s batched, "
                   f"{rates['offline-closed-loop']:.0f} in a closed loop "
                   f"({rates['offline-closed-loop'] / rates['offline']:.2f}x)")
+            for o in result["throughput"]["offline"]:
+                if o["label"] == "offline-staggered" and o["max_concurrency"] == c:
+                    print(f"  staggered closed loop: {o['output_throughput']:.0f} tok/s "
+                          f"({o['output_throughput'] / rates['offline']:.2f}x batched); steps that computed a prompt: "
+                          f"{o['prefill_steps']}, p50 {o['prefill_step_ms_p50']:.2f} ms, "
+                          f"{o['prefill_step_s_total']:.2f} s; the others: {o['decode_steps']}, "
+                          f"p50 {o['decode_step_ms_p50']:.2f} ms, {o['decode_step_s_total']:.2f} s")
 
 
 if __name__ == "__main__":
