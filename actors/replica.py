@@ -41,6 +41,8 @@ def token_chunk(out: RequestOutput, **extra) -> dict:
         chunk["logprobs"] = list(out.new_logprobs)       # TokenLogprob per token of token_ids
     if out.finished:
         chunk["spec"] = dataclasses.asdict(out.spec)
+        if out.timing is not None:
+            chunk["timing"] = dataclasses.asdict(out.timing)
     return chunk
 
 
@@ -74,6 +76,7 @@ class Ticket:
     num_cached_tokens: int = 0     # prompt tokens the prefill took from its prefix cache
     prefill_s: float = 0.0
     first_logprob: TokenLogprob | None = None    # the first token's entry, when params.logprobs is set
+    timing: dict | None = None     # the prefill engine's RequestTiming (its queue and prefill times)
 
     def first_chunk(self) -> dict:
         """The first token as a chunk, sent while the KV moves (only when ``first_text`` is not None)."""
@@ -82,6 +85,14 @@ class Ticket:
         if self.first_logprob is not None:
             chunk["logprobs"] = [self.first_logprob]
         return chunk
+
+    def with_prefill_timing(self, chunk: dict) -> dict:
+        """The decode side's finishing chunk with the request's queue and prefill times from the prefill engine
+        (the decode engine's own queue is the wait for pages and their READ, which the transfer stats report)."""
+        if chunk.get("timing") is None or self.timing is None:
+            return chunk
+        return {**chunk, "timing": {**chunk["timing"], "queue_s": self.timing["queue_s"],
+                                    "prefill_s": self.timing["prefill_s"]}}
 
     def after_first(self, chunk: dict) -> dict:
         """The decode side's first chunk without the first token already sent by ``first_chunk``."""
@@ -339,7 +350,8 @@ class PrefillReplica(EngineReplica):
             ticket = Ticket(request_id, list(prompt_token_ids), params, out.token_ids[0], tables, leases,
                             [self.group.agent_name(i) for i in range(len(leases))], list(self.group.rank_infos),
                             first_text, out.num_cached_tokens, time.perf_counter() - start,
-                            out.logprobs[0] if out.logprobs else None)
+                            out.logprobs[0] if out.logprobs else None,
+                            dataclasses.asdict(out.timing) if out.timing is not None else None)
             # The holds are sent right after the ticket goes out, not before it and not awaited: a READ that
             # overtakes its hold waits for it (or a cancel frees the pages when the hold arrives).
             asyncio.get_running_loop().call_soon(self._hold, request_id, leases, context=contextvars.Context())

@@ -19,7 +19,7 @@ from engine.parallel import OP_STOP, OP_SYNC, OP_TARGET
 from engine.sampler import (LogitsBlock, LogitsState, accept_greedy, adjust_logits, probabilities, rejection_sample,
                             sample, token_logprobs)
 from engine.scheduler import ScheduledRequest, Scheduler
-from engine.sequence import Request, RequestStatus, SamplingParams, SpecStats, TokenLogprob
+from engine.sequence import Request, RequestStatus, RequestTiming, SamplingParams, SpecStats, TokenLogprob
 from engine.tokenizer import Tokenizer
 from kv.device_tables import upload
 from kv.layout import KVLayout
@@ -104,6 +104,7 @@ class RequestOutput:
     # With SamplingParams.logprobs: one entry per token of token_ids, and of new_token_ids (else None).
     logprobs: list[TokenLogprob] | None = None
     new_logprobs: list[TokenLogprob] | None = None
+    timing: RequestTiming | None = None        # on the finishing output
 
     @property
     def acceptance_lengths(self) -> list[int]:
@@ -374,7 +375,7 @@ class LLMEngine:
             self.speculator.clear_context(r)
             r.draft_context_valid = False
         r.status = RequestStatus.RUNNING
-        r.first_token_time = time.monotonic()
+        r.first_scheduled_time = r.first_token_time = time.monotonic()
         self.scheduler.running.append(r)
         first = r.output_token_ids.pop()
         first_logprobs = [r.output_logprobs.pop()] if r.output_logprobs else None
@@ -830,7 +831,14 @@ class LLMEngine:
             new_logprobs = logprobs[len(logprobs) - len(appended):]
         return RequestOutput(r.request_id, r.prompt_token_ids, list(r.output_token_ids), r.output_text,
                              r.finished, r.finish_reason, r.num_cached_tokens, r.spec, appended, delta,
-                             logprobs, new_logprobs)
+                             logprobs, new_logprobs, _timing(r) if r.finished else None)
+
+
+def _timing(r: Request) -> RequestTiming:
+    now = time.monotonic()
+    scheduled = now if r.first_scheduled_time is None else r.first_scheduled_time
+    first = now if r.first_token_time is None else r.first_token_time
+    return RequestTiming(scheduled - r.arrival_time, max(0.0, first - scheduled), max(0.0, now - first))
 
 
 def _extend_text(r: Request, new: str, honour_stops: bool = True) -> bool:

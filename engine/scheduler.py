@@ -8,6 +8,8 @@ preempted by recompute: its pages are freed and it waits again at the front of t
 
 from __future__ import annotations
 
+import time
+
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -120,6 +122,8 @@ class Scheduler:
             request.num_draft_context = cached
             request.num_cached_tokens = cached if request.num_preemptions == 0 else request.num_cached_tokens
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             spec = self._num_drafts(request, budget - num_new)
             out.scheduled.append(ScheduledRequest(request, num_new, spec))

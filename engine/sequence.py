@@ -126,6 +126,17 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True)
+class RequestTiming:
+    """Where a finished request's time went in its engine, in seconds: waiting to be scheduled (queue), from its
+    first scheduled step to its first token (its prompt computed: prefill), and from its first token to its end
+    (decode). A request that takes over a transferred KV cache waits, in queue, for its pages and their READ."""
+
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+
+
 @dataclass
 class SpecStats:
     """Speculative-decoding counts of one request (or of a whole engine)."""
@@ -181,6 +192,7 @@ class Request:
     detokenizer: object | None = None  # engine.tokenizer.IncrementalDetokenizer, made at the first append
     num_text_sent: int = 0             # characters of output_text already given out as text_delta
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     spec: SpecStats = field(default_factory=SpecStats)
     generator: torch.Generator | None = None

@@ -225,6 +225,7 @@ class Choice:
         self.text_offset = len(echo)    # where the next logprobs token begins in the text (completions)
         self.finish_reason: str | None = None
         self.spec: dict | None = None
+        self.timing: dict | None = None      # the engines' queue / prefill / decode seconds (finished requests)
         self.num_cached_tokens = 0
         self.done = False
 
@@ -259,6 +260,7 @@ class Choice:
             self.done = True
             self.finish_reason = chunk["finish_reason"]
             self.spec = chunk.get("spec")
+            self.timing = chunk.get("timing")
         return chunk
 
     def delta(self) -> str:
@@ -514,7 +516,7 @@ class Ingress:
             self.metrics.observe_finished(num_prompt_tokens=len(c.prompt_ids), num_generated=len(c.token_ids),
                                           finish_reason=c.finish_reason or "abort", ttft=c.ttft,
                                           e2e=time.perf_counter() - c.start, spec=c.spec,
-                                          token_gaps=c.token_gaps)
+                                          token_gaps=c.token_gaps, timing=c.timing)
 
     def _usage(self, body, choices: list[Choice]) -> Usage:
         prompt_tokens = sum(len(c.prompt_ids) for c in choices[::body.n])

@@ -155,6 +155,14 @@ class ServiceMetrics:
                               buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("dflash_e2e_request_latency_seconds", "End-to-end request latency", m,
                              buckets=E2E_BUCKETS, registry=r)
+        # Inside the engines (prefill's for queue and prefill when disaggregated): what of TTFT and E2E is the
+        # engine's, the rest being the serving path's.
+        self.queue_time = Histogram("dflash_request_queue_time_seconds", "Time a request waited to be scheduled",
+                                    m, buckets=TTFT_BUCKETS, registry=r)
+        self.prefill_time = Histogram("dflash_request_prefill_time_seconds", "Time from a request's first scheduled "
+                                      "step to its first token", m, buckets=TTFT_BUCKETS, registry=r)
+        self.decode_time = Histogram("dflash_request_decode_time_seconds", "Time from a request's first token to "
+                                     "its end", m, buckets=E2E_BUCKETS, registry=r)
         # transport: "nixl" (READs), "ipc" (copies from a mapping of prefill pools on the same GPU)
         self.transfers = Counter("dflash_kv_transfers", "Prefill-to-decode KV transfers", m + ["transport"],
                                  registry=r)
@@ -176,8 +184,13 @@ class ServiceMetrics:
 
     # --- per request, from the ingress --------------------------------------------------------
     def observe_finished(self, *, num_prompt_tokens: int, num_generated: int, finish_reason: str, ttft: float | None,
-                         e2e: float, spec: dict | None, token_gaps: list[float] = ()) -> None:
+                         e2e: float, spec: dict | None, token_gaps: list[float] = (),
+                         timing: dict | None = None) -> None:
         name = self.model_name
+        if timing:
+            self.queue_time.labels(name).observe(timing["queue_s"])
+            self.prefill_time.labels(name).observe(timing["prefill_s"])
+            self.decode_time.labels(name).observe(timing["decode_s"])
         self.prompt_tokens.labels(name).inc(num_prompt_tokens)
         self.generation_tokens.labels(name).inc(num_generated)
         self.request_success.labels(name, finish_reason).inc()

@@ -50,6 +50,8 @@ class Router:
                         self.on_transfer(None)
                 if first and early and chunk["type"] == "tokens":
                     chunk = ticket.after_first(chunk)
+                if chunk["type"] == "tokens" and chunk["finished"]:
+                    chunk = ticket.with_prefill_timing(chunk)
                 first = False
                 yield chunk
             completed = True

@@ -121,3 +121,30 @@ def test_engine_does_not_import_spec_decode(tiny_target):
             "assert not [m for m in sys.modules if m.split('.')[0] == 'spec_decode'], 'spec_decode was imported'")
     done = subprocess.run([sys.executable, "-c", code, str(tiny_target)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_finished_output_says_where_its_time_went(tiny_target):
+    """``RequestOutput.timing`` on the finishing output only: queue (until first scheduled), prefill (to the first
+    token), decode (to the end). With one sequence at a time the second request queues for the whole first one."""
+    import time
+
+    llm = LLM(tiny_target, max_num_seqs=1)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    engine.add_request([1, 2, 3, 4, 5], params, request_id="a")
+    engine.add_request([6, 7, 8], params, request_id="b")
+    start, outs = time.monotonic(), {}
+    with torch.inference_mode():
+        while engine.has_unfinished():
+            for out in engine.step():
+                assert (out.timing is not None) == out.finished
+                if out.finished:
+                    outs[out.request_id] = (out, time.monotonic())
+    wall = time.monotonic() - start
+    for rid, (out, _) in outs.items():
+        t = out.timing
+        assert t.queue_s >= 0 and t.prefill_s > 0 and t.decode_s > 0, (rid, t)
+        assert t.queue_s + t.prefill_s + t.decode_s <= wall + 0.05
+    a, b = outs["a"][0].timing, outs["b"][0].timing
+    assert b.queue_s >= a.prefill_s + a.decode_s        # "b" was scheduled only after "a" ended
+    assert a.queue_s < b.queue_s

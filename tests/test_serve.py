@@ -714,3 +714,27 @@ def test_the_bench_client_splits_its_load_over_processes(server):
     summary = bench(args)
     assert summary["client_processes"] == 2 and summary["completed"] == 5, summary["errors"]
     assert summary["output_throughput"] * summary["duration_s"] == pytest.approx(5 * 6)
+
+
+def test_metrics_split_each_request_into_engine_queue_prefill_and_decode(server):
+    """Per finished request, the engines' queue, prefill and decode times (prefill side's queue and prefill when
+    disaggregated): one observation each, inside the request's TTFT and end-to-end time as the ingress saw them."""
+    names = ("queue", "prefill", "decode")
+    series = [f"dflash_request_{n}_time_seconds" for n in names] + ["dflash_time_to_first_token_seconds",
+                                                                    "dflash_e2e_request_latency_seconds"]
+
+    def totals() -> dict[str, tuple[float, float]]:
+        samples = metrics(server)
+        return {s: (metric_sum(samples, f"{s}_count"), metric_sum(samples, f"{s}_sum")) for s in series}
+
+    before = totals()
+    body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    for stream in (False, True):
+        r = httpx.post(f"{server}/v1/completions", json={**body, "stream": stream}, timeout=60)
+        assert r.status_code == 200
+    after = totals()
+    delta = {s: (after[s][0] - before[s][0], after[s][1] - before[s][1]) for s in series}
+    assert all(count == 2 for count, _ in delta.values()), delta
+    queue, prefill, decode, ttft, e2e = (total for _, total in delta.values())
+    assert prefill > 0 and decode > 0 and queue >= 0
+    assert queue + prefill <= ttft and queue + prefill + decode <= e2e, delta
