@@ -235,9 +235,8 @@ def transports(url: str) -> dict[str, float]:
 
 def throughput(urls: dict[str, str], concurrencies: list[int], repeats: int, output_len: int,
                client_processes: int = 1) -> list[dict]:
-    from benchmarks.proc_cpu import bench_with_cpu, format_usage
-    from benchmarks.serve_bench import _bench_args, _transfer_counters
-    from serve_app.bench import bench, format_table
+    from benchmarks.serve_bench import _bench_args, measured_run
+    from serve_app.bench import bench
 
     ns = argparse.Namespace(prompt_file=str(REPO / "benchmarks" / "prompts" / "heldout.jsonl"), input_len=64,
                             output_len=output_len, min_requests=16, client_processes=client_processes)
@@ -247,14 +246,7 @@ def throughput(urls: dict[str, str], concurrencies: list[int], repeats: int, out
     summaries = []
     for _repeat, concurrency in [(r, c) for r in range(repeats) for c in concurrencies]:
         for name in ("agg", "disagg"):
-            before = _transfer_counters(urls[name])
-            summary = bench_with_cpu(bench, _bench_args(urls[name], name, concurrency, ns))
-            after = _transfer_counters(urls[name])
-            count = after[1] - before[1]
-            summary["mean_read_s"] = (after[0] - before[0]) / count if count else None
-            summaries.append(summary)
-            print(format_table([summary]).splitlines()[-2], flush=True)
-            print(format_usage(summary["cpu"]), flush=True)
+            summaries.append(measured_run(urls[name], _bench_args(urls[name], name, concurrency, ns)))
     return summaries
 
 

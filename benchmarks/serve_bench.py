@@ -73,15 +73,46 @@ def _offline(target: str, drafter: str, prompts: list, concurrency: int, output_
 _offline.cache = {}
 
 
-def _transfer_counters(url: str) -> tuple[float, float]:
-    """(sum of NIXL READ seconds, number of READs) from the service's /metrics."""
+# /metrics histograms read around each run: (sum, count) deltas give the run's means.
+HISTOGRAMS = {"read_s": "dflash_kv_transfer_latency_seconds", "ttft_s": "dflash_time_to_first_token_seconds",
+              "queue_s": "dflash_request_queue_time_seconds", "prefill_s": "dflash_request_prefill_time_seconds",
+              "decode_s": "dflash_request_decode_time_seconds", "e2e_s": "dflash_e2e_request_latency_seconds"}
+
+
+def _histograms(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each of HISTOGRAMS from the service's /metrics."""
     import httpx
 
     from tests.test_serve_support import metric_samples, metric_sum
 
     samples = metric_samples(httpx.get(f"{url}/metrics", timeout=30).text)
-    return (metric_sum(samples, "dflash_kv_transfer_latency_seconds_sum"),
-            metric_sum(samples, "dflash_kv_transfer_latency_seconds_count"))
+    return {key: (metric_sum(samples, f"{name}_sum"), metric_sum(samples, f"{name}_count"))
+            for key, name in HISTOGRAMS.items()}
+
+
+def measured_run(url: str, bench_args: argparse.Namespace) -> dict:
+    """One load run with its CPU per process, the mean NIXL READ time (``mean_read_s``), and the server's means
+    (``server``: TTFT and end-to-end as the ingress saw them; queue, prefill and decode inside the engines), printed
+    as it ends."""
+    from benchmarks.proc_cpu import bench_with_cpu, format_usage
+    from serve_app.bench import bench, format_table
+
+    before = _histograms(url)
+    summary = bench_with_cpu(bench, bench_args)
+    after = _histograms(url)
+    means = {}
+    for key in HISTOGRAMS:
+        count = after[key][1] - before[key][1]
+        means[key] = (after[key][0] - before[key][0]) / count if count else None
+    summary["mean_read_s"] = means.pop("read_s")
+    summary["server"] = means
+    print(format_table([summary]).splitlines()[-2], flush=True)
+    if means["ttft_s"] is not None and means["queue_s"] is not None:
+        print("   server means ms: " + ", ".join(f"{k[:-2]} {v * 1e3:.2f}" for k, v in means.items() if v is not None)
+              + f"; TTFT outside the engine {(means['ttft_s'] - means['queue_s'] - means['prefill_s']) * 1e3:.2f}",
+              flush=True)
+    print(format_usage(summary["cpu"]), flush=True)
+    return summary
 
 
 def _median(values):
@@ -144,9 +175,8 @@ def main() -> int:
     import torch
     from ray import serve
 
-    from benchmarks.proc_cpu import bench_with_cpu, format_usage
     from serve_app.app import build_app
-    from serve_app.bench import bench, format_table, plot, public
+    from serve_app.bench import format_table, plot, public
     from tests.test_serve_support import free_port, service_args, wait_healthy
 
     torch.set_num_threads(1)
@@ -169,15 +199,7 @@ def main() -> int:
         for repeat, concurrency in [(r, c) for r in range(args.repeats) for c in args.concurrency]:
             for name in ("agg", "disagg"):
                 url = f"http://127.0.0.1:{port}/{name}"
-                before = _transfer_counters(url)
-                summary = bench_with_cpu(bench, _bench_args(url, name, concurrency, args))
-                after = _transfer_counters(url)
-                count = after[1] - before[1]
-                summary["mean_read_s"] = (after[0] - before[0]) / count if count else None
-                summaries.append(summary)
-                print(format_table([summary]).splitlines()[-2], flush=True)
-                print(format_usage(summary["cpu"]), flush=True)
-            print(format_usage(summary["cpu"]), flush=True)
+                summaries.append(measured_run(url, _bench_args(url, name, concurrency, args)))
     finally:
         serve.shutdown()
         ray.shutdown()
