@@ -9,7 +9,6 @@ preempted by recompute: its pages are freed and it waits again at the front of t
 from __future__ import annotations
 
 import time
-
 from collections import deque
 from dataclasses import dataclass, field
 
