@@ -34,6 +34,11 @@ class AttentionMetadata:
     # and splits sized from it would leave a short sequence to one program; eager blocks of several queries take
     # the graphs' value, so verification sums alike either way); None: chosen from max_seq_len and the batch.
     decode_split_tiles: int | None = None
+    # Every row has the same query length. A batch of rows of several lengths (prefill chunks beside decode and
+    # verification rows) takes the Triton varlen kernel at its largest query tile whatever max_query_len is, as a
+    # ragged CUDA graph (``engine.cuda_graphs.RaggedGraphs``, whose max_query_len is its padded token count) must:
+    # the same rows then get the same numbers graphed or not.
+    uniform: bool = True
 
 
 def store_kv(
@@ -78,8 +83,8 @@ def paged_attention(
         # One query, or a short block in a small batch, per sequence (decode; verification and drafter blocks):
         # split each sequence's KV over several programs, or a small batch leaves most of the GPU idle. Longer
         # blocks (prefill chunks, mixed batches) and large batches of short ones take the varlen kernel.
-        if triton_attention.prefers_split_kv(meta.max_query_len, meta.seq_lens.shape[0], query.shape[1],
-                                             k_cache.shape[2], query.device):
+        if meta.uniform and triton_attention.prefers_split_kv(meta.max_query_len, meta.seq_lens.shape[0],
+                                                              query.shape[1], k_cache.shape[2], query.device):
             return triton_attention.decode_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
         return triton_attention.varlen_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
     if meta.backend == "torch":

@@ -27,7 +27,7 @@ LOG2E = 1.4426950408889634
 # block-table width, its split count, a metadata tensor sliced at any row), so a server met combinations its
 # warm-up had not and stalled for a compile (1-2 s on an H200) in the middle of serving. They are never
 # specialised: none of them sizes a vector load (the K/V caches, queries and outputs keep theirs).
-RUNTIME_INTS = ["stride_bt", "num_q_heads", "num_splits", "split_len"]
+RUNTIME_INTS = ["stride_bt", "num_q_heads", "num_splits", "split_len", "num_seqs"]
 METADATA_POINTERS = ["slot_mapping_ptr", "block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"]
 FP8_MAX_C = tl.constexpr(FP8_MAX)
 
@@ -194,21 +194,43 @@ def _attend_kv_tile(
 M_INIT = tl.constexpr(-1.0e30)
 
 
+@triton.jit
+def _find_seq(query_start_loc_ptr, program, num_seqs, BLOCK_Q: tl.constexpr):
+    """(sequence, its query block) of flat program ``program``: sequence s owns the programs from
+    query_start_loc[s] // BLOCK_Q + s on (at least ceil(q_len / BLOCK_Q) of them, strictly increasing starts),
+    so a binary search over the B + 1 query starts finds it."""
+    lo = program * 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= program:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo, program - (tl.load(query_start_loc_ptr + lo) // BLOCK_Q + lo)
+
+
 @triton.jit(do_not_specialize=RUNTIME_INTS, do_not_specialize_on_alignment=METADATA_POINTERS)
 def _varlen_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     qk_scale_log2, v_scale,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok, stride_v_head,
-    stride_bt,
+    stride_bt, num_seqs,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, FLAT: tl.constexpr,
 ):
-    """Program (q block, seq, kv head): BLOCK_Q query tokens x the GQA group's GROUP heads as BLOCK_M rows."""
-    q_block = tl.program_id(0)
-    seq = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    """Program (q block, seq, kv head), or with ``FLAT`` (flat q block, kv head): BLOCK_Q query tokens x the GQA
+    group's GROUP heads as BLOCK_M rows. A flat grid has T // BLOCK_Q + B programs per kv head whatever the
+    rows' lengths (a CUDA graph of a ragged batch fixes only T and B); the other, max q blocks x B."""
+    if FLAT:
+        seq, q_block = _find_seq(query_start_loc_ptr, tl.program_id(0), num_seqs, BLOCK_Q)
+        kv_head = tl.program_id(1)
+    else:
+        q_block = tl.program_id(0)
+        seq = tl.program_id(1)
+        kv_head = tl.program_id(2)
     q_begin = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
     first_token = q_block * BLOCK_Q
@@ -353,8 +375,9 @@ def _decode_reduce_kernel(
 
 
 def varlen_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_scale=1.0, v_scale=1.0, *,
-                     block_m=None, block_n=None, num_warps=4, num_stages=2) -> torch.Tensor:
-    """Varlen paged attention (prefill chunks, drafter blocks, decode, mixed); block sizes default per device."""
+                     block_m=None, block_n=None, num_warps=4, num_stages=2, flat_grid=None) -> torch.Tensor:
+    """Varlen paged attention (prefill chunks, drafter blocks, decode, mixed); block sizes default per device,
+    the grid (``flat_grid``) to the one of fewer programs."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = meta.seq_lens.shape[0]
     group = num_q_heads // k_cache.shape[2]
@@ -362,20 +385,28 @@ def varlen_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
     if num_tokens == 0 or num_seqs == 0:
         return out
     if block_m is None:
-        # Enough rows for the longest sequence's queries times the group, within one tl.dot-friendly tile.
-        block_m = varlen_block_m(meta.max_query_len, group)
+        # Enough rows for the longest sequence's queries times the group, within one tl.dot-friendly tile; the
+        # largest tile for a ragged batch (``AttentionMetadata.uniform``).
+        block_m = varlen_block_m(meta.max_query_len if meta.uniform else SPLIT_KV_MAX_ROWS, group)
     block_n = block_n or (16 if INTERPRET else 64)
     block_q = block_m // group
-    grid = (triton.cdiv(meta.max_query_len, block_q), num_seqs, k_cache.shape[2])
+    # Both grids give every row the same numbers (its q block and KV tiles are the same): the flat one when the
+    # other would launch more programs (one long row among short ones, or a graph's max_query_len of all T).
+    flat = flat_grid if flat_grid is not None else (
+        num_tokens // block_q + num_seqs < triton.cdiv(meta.max_query_len, block_q) * num_seqs)
+    if flat:
+        grid = (num_tokens // block_q + num_seqs, k_cache.shape[2])
+    else:
+        grid = (triton.cdiv(meta.max_query_len, block_q), num_seqs, k_cache.shape[2])
     _varlen_attention_kernel[grid](
         query, k_cache, v_cache, out, meta.block_tables, meta.query_start_loc, meta.seq_lens,
         scale * _fp8_scale(k_cache, k_scale) * LOG2E, _fp8_scale(v_cache, v_scale),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
-        meta.block_tables.stride(0),
+        meta.block_tables.stride(0), num_seqs,
         GROUP=group, CAUSAL=meta.causal, PAGE_SIZE=k_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), DOT_DTYPE=_dot_dtype(query, k_cache),
-        num_warps=num_warps, num_stages=num_stages,
+        FLAT=flat, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
@@ -473,9 +504,9 @@ def split_plan(max_seq_len: int, block_n: int, num_programs: int, device: torch.
 def precompile(num_q_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, query_dtype: torch.dtype, *,
                causal: bool, max_seq_len: int, k_scale: float = 1.0, v_scale: float = 1.0) -> set[tuple]:
     """Compile now every variant of the store and attention kernels that steps over these caches can take: query
-    blocks of any length (each ``varlen_block_m`` / ``decode_block_m``), causal as the layers are, one split or
-    many, and every ``reduce_block_s`` of a context up to ``max_seq_len``. A variant first met while serving
-    compiles in the middle of a step, and every request of the replica waits for it (1-2 s on an H200).
+    blocks of any length (each ``varlen_block_m`` / ``decode_block_m``; either varlen grid), causal as the layers
+    are, one split or many, and every ``reduce_block_s`` of a context up to ``max_seq_len``. A variant first met
+    while serving compiles in the middle of a step, and every request of the replica waits for it (1-2 s on an H200).
 
     Runs the kernels over one sequence whose table points every position at page 0, which they only read; the
     store gets no slot, so it writes nothing. Returns the variants launched, as ``(kernel, constexprs...)``."""
@@ -502,8 +533,9 @@ def precompile(num_q_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, q
                                  seq_lens=seq_lens, block_tables=tables,
                                  slot_mapping=torch.full((q,), -1, dtype=torch.int64, device=device),
                                  max_query_len=q, max_seq_len=max_seq_len, causal=causal, backend="triton")
-        varlen_attention(query, k_cache, v_cache, meta, 1.0, k_scale, v_scale)
-        launched.add(("varlen", varlen_block_m(q, group), causal))
+        for flat in (False, True):
+            varlen_attention(query, k_cache, v_cache, meta, 1.0, k_scale, v_scale, flat_grid=flat)
+            launched.add(("varlen", varlen_block_m(q, group), causal, flat))
         if q <= split_kv_max_query_len(group):
             for requested in split_requests if q == 1 else split_requests[:2]:
                 splits, _ = split_plan(max_seq_len, block_n, num_kv_heads, device, num_splits=requested)
@@ -518,6 +550,12 @@ def precompile(num_q_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, q
 # Query rows (tokens x GQA group) one split-KV program holds: verification blocks of 16 tokens with 4 query heads
 # per kv head fit; longer blocks (prefill chunks) go to the varlen kernel.
 SPLIT_KV_MAX_ROWS = 64
+
+
+def ragged_tiles(uniform: bool, max_query_len: int, group: int) -> bool:
+    """Whether a batch takes the varlen kernel's largest query tile (as a ragged CUDA graph does): rows of several
+    lengths, or of one length longer than a split-KV block."""
+    return not uniform or max_query_len > split_kv_max_query_len(group)
 
 
 def split_kv_max_query_len(group: int) -> int:

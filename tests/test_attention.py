@@ -12,6 +12,7 @@ def _has_cuda_device() -> bool:
 if not _has_cuda_device():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import dataclasses  # noqa: E402
 import math  # noqa: E402
 
 import pytest  # noqa: E402
@@ -318,6 +319,47 @@ def test_triton_varlen_tilings_agree(block_m, block_n):
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_the_flat_varlen_grid_gives_every_row_the_same_numbers(block_m):
+    """The flat grid (a CUDA graph of a ragged batch: programs from T and B only) finds each program's sequence and
+    q block by search: bit-identical to the per-sequence grid, also with the graph's padding (rows with no query
+    and no context, tokens past the last row, which stay unwritten)."""
+    from engine.triton_attention import varlen_attention
+
+    meta, k_cache, v_cache, query = _triton_case(torch.float32, torch.float32, 1.0, 16, MIXED_BATCH)
+    per_seq = varlen_attention(query, k_cache, v_cache, meta, 0.2, block_m=block_m, flat_grid=False)
+    flat = varlen_attention(query, k_cache, v_cache, meta, 0.2, block_m=block_m, flat_grid=True)
+    assert torch.equal(flat, per_seq)
+    tokens, extra = query.shape[0], 9
+    padded_query = torch.cat([query, torch.randn(extra, *query.shape[1:], dtype=query.dtype, device=DEVICE)])
+    padded = dataclasses.replace(
+        meta, query_start_loc=torch.cat([meta.query_start_loc, meta.query_start_loc[-1:].repeat(3)]),
+        seq_lens=torch.cat([meta.seq_lens, meta.seq_lens.new_zeros(3)]),
+        block_tables=torch.cat([meta.block_tables, meta.block_tables[:3]]), max_query_len=tokens + extra)
+    out = varlen_attention(padded_query, k_cache, v_cache, padded, 0.2, block_m=block_m, flat_grid=True)
+    assert torch.equal(out[:tokens], per_seq)
+
+
+@pytest.mark.triton
+def test_a_ragged_batch_of_short_rows_computes_as_its_ragged_graph_does():
+    """Short rows of several lengths (a prefix hit's last tokens beside decode and verification rows) would take the
+    split-KV kernel or a small varlen tile by their max_query_len; marked ragged they take the largest varlen tile,
+    as the ragged graph of the same rows does (its max_query_len is its padded token count, its extra rows empty):
+    the same bits either way, and the torch path's values."""
+    meta, k_cache, v_cache, query = _triton_case(torch.float32, torch.float32, 1.0, 16, [(20, 1), (33, 5), (9, 3)])
+    ragged = dataclasses.replace(meta, uniform=False)
+    eager = run("triton", query, k_cache, v_cache, ragged, 0.2)
+    padded = dataclasses.replace(
+        ragged, query_start_loc=torch.cat([meta.query_start_loc, meta.query_start_loc[-1:].repeat(5)]),
+        seq_lens=torch.cat([meta.seq_lens, meta.seq_lens.new_zeros(5)]),
+        block_tables=torch.cat([meta.block_tables, meta.block_tables[:1].repeat(5, 1)]), max_query_len=32)
+    graph_like = run("triton", torch.cat([query, query.new_zeros(23, *query.shape[1:])]), k_cache, v_cache, padded,
+                     0.2)
+    assert torch.equal(graph_like[:9], eager)
+    assert rel_err(eager, run("torch", query, k_cache, v_cache, meta, 0.2)) < 1e-5
+
+
+@pytest.mark.triton
 @pytest.mark.parametrize("query_dtype,cache_dtype,kv_scale,tol", TRITON_DTYPES)
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 20])
 @pytest.mark.parametrize("num_q_heads", [2, 8])  # GQA groups of 1 and 4
@@ -510,7 +552,7 @@ def test_precompile_launches_every_variant_a_step_can_take(cache_dtype, num_q_he
     block_n = ta.decode_block_n(k_cache)
     needed = {("store",)}
     for q in range(1, 65):
-        needed.add(("varlen", ta.varlen_block_m(q, group), causal))
+        needed |= {("varlen", ta.varlen_block_m(q, group), causal, flat) for flat in (False, True)}
     for q in range(1, ta.split_kv_max_query_len(group) + 1):
         for seq_len in range(q, max_seq_len + 1):
             for num_seqs in range(1, 9):
