@@ -7,10 +7,13 @@ to a harmless row: no KV slot (-1, so a padded row stores nothing and never writ
 context of one token on page 0, which it only reads (every page holds finite values: pools start zeroed and
 stores saturate). Each output's first dim is per token or per row; the caller gets the rows of its batch.
 
-Batches above the largest captured size and mixed query lengths (prefill chunks) run eagerly. Capture needs the
+Steps with a prefill chunk (rows of mixed query lengths) take ``RaggedGraphs`` instead: captured per padded token
+count, rows padded to the largest batch, positions and slots computed inside the graph from each row's start and
+length. Larger steps, and batches above the largest captured size, run eagerly. Capture needs the
 Triton attention backend (the torch reference path syncs the host: boolean masks, per-sequence loops) and a
 single rank (a collective inside a graph needs NCCL's graph support on every rank; not built yet).
-``cuda_graphs``: ``auto`` captures on CUDA when both hold, ``on`` requires them, ``off`` never captures.
+``cuda_graphs``: ``auto`` captures on CUDA when both hold, ``on`` requires them, ``off`` never captures;
+``decode`` is ``auto`` without the ragged graphs.
 
 ``capture=False`` runs the same static, padded buffers eagerly: how the tests pin the padding without a GPU.
 """
@@ -26,7 +29,8 @@ from engine.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
-CUDA_GRAPH_MODES = ("auto", "on", "off")
+# "decode": as auto, but only the uniform steps (decode, verification, drafter blocks); prompt steps run eagerly.
+CUDA_GRAPH_MODES = ("auto", "on", "decode", "off")
 # KV tiles per split of the Triton decode kernel inside a graph (max_seq_len is then the table's capacity).
 GRAPH_DECODE_SPLIT_TILES = 4
 
@@ -41,7 +45,8 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 def use_cuda_graphs(mode: str, device: torch.device | str, backend: str, tensor_parallel: bool) -> bool:
-    """Whether an engine captures graphs: ``auto`` when it can, ``on`` raises when it cannot, ``off`` never."""
+    """Whether an engine captures graphs: ``auto`` (and ``decode``) when it can, ``on`` raises when it cannot,
+    ``off`` never."""
     if mode not in CUDA_GRAPH_MODES:
         raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPH_MODES}, got {mode!r}")
     if mode == "off":
@@ -100,6 +105,7 @@ class StepGraphs:
     def _forward(self, size: int, q: int) -> tuple[torch.Tensor, ...]:
         return tuple(self.fn(self.ids[:size * q], self.positions[:size * q], self._meta(size, q)))
 
+    @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture every (size, q), the largest first so that the smaller ones reuse its memory pool."""
         for q in self.query_lens:
@@ -108,28 +114,19 @@ class StepGraphs:
         log.info("captured %d CUDA graphs (batch sizes %s, query lengths %s)", len(self._graphs), self.sizes,
                  self.query_lens)
 
-    @torch.inference_mode()
     def _capture(self, size: int, q: int) -> None:
-        current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            for _ in range(2):       # compiles the Triton kernels and sets up cuBLAS outside the capture
-                self._forward(size, q)
-        current.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            outputs = self._forward(size, q)
+        graph, outputs = capture_graph(self.device, self._pool, lambda: self._forward(size, q))
         self._pool = graph.pool()
         # The padded inputs store nothing (every slot is -1), so a replay and an eager run of the same inputs
         # must agree; a capture that baked in a stale pointer or a host value would not.
-        graph.replay()
-        eager = self._forward(size, q)
-        for got, want in zip(outputs, eager):
-            if got.shape != want.shape or not torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2):
-                raise RuntimeError(f"the CUDA graph of batch {size} x {q} tokens disagrees with the eager forward "
-                                   "on the same inputs; run with cuda_graphs: off and report this")
+        check_replay(graph, outputs, lambda: self._forward(size, q), f"batch {size} x {q} tokens")
         self._graphs[size, q] = (graph, outputs)
+
+    @torch.inference_mode()
+    def replays_equal_eager(self) -> tuple[int, int]:
+        """(graphs whose replay is bit-identical to the eager forward of the same static inputs, graphs)."""
+        return count_equal((graph, outputs, lambda key=key: self._forward(*key))
+                           for key, (graph, outputs) in self._graphs.items())
 
     @torch.inference_mode()
     def run(self, batch: int, q: int, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -161,3 +158,183 @@ class StepGraphs:
             outputs = self._forward(size, q)
         # Per-token outputs have size * q rows, per-row ones size.
         return tuple(out[:batch * (out.shape[0] // size)] for out in outputs)
+
+
+# Ragged steps: token counts captured, in steps of 32 up to 256, of 64 up to 512, then of 128 (a step of T tokens
+# pads to the next, so padding costs at most a quarter of a large step's compute, and a small step is host-bound).
+RAGGED_MAX_TOKENS = 1024
+
+
+def ragged_sizes(max_tokens: int, min_tokens: int = 1) -> list[int]:
+    """The padded token counts of ragged graphs: the ladder from the first size >= ``min_tokens`` up to
+    ``max_tokens`` (which ends it when it is off the ladder)."""
+    if max_tokens < 1 or min_tokens > max_tokens:
+        raise ValueError(f"ragged graphs need 1 <= min_tokens <= max_tokens, got {min_tokens} and {max_tokens}")
+    ladder = [*range(32, 257, 32), *range(320, 513, 64), *range(640, max_tokens + 128, 128)]
+    sizes = sorted({s for s in ladder if s < max_tokens} | {max_tokens})
+    first = next(i for i, s in enumerate(sizes) if s >= min_tokens)
+    return sizes[first:]
+
+
+Ragged = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], Sequence[torch.Tensor]]
+
+
+class RaggedGraphs:
+    """Graphs of a forward ``fn(inputs, positions, meta) -> per-token outputs`` over ragged batches: rows of any
+    token counts (prefill chunks beside decode and verification rows), captured per padded token count
+    (``ragged_sizes``) with the rows padded to ``max_batch`` rows of no tokens.
+
+    A step sends its rows' starts, lengths and block-table rows (one small copy) and its per-token ``inputs`` (ids,
+    or hidden states); the graph computes the tokens' positions, KV slots and query starts on the device. Tokens
+    past the step's own store nothing (slot -1) and belong to no row: attention leaves them alone, and what the
+    per-token layers make of them is dropped. Attention takes the varlen kernel's largest tiles, as an eager step
+    of such rows does (``AttentionMetadata.uniform``), in its flat grid (``max_query_len`` is the padded count): the
+    same numbers per row, graphed or not."""
+
+    def __init__(self, fn: Ragged, *, device: torch.device, max_tokens: int, max_batch: int, max_pages: int,
+                 page_size: int, causal: bool, backend: str, capture: bool, min_tokens: int = 1,
+                 input_shape: tuple[int, ...] = (), input_dtype: torch.dtype = torch.int64):
+        self.fn = fn
+        self.device = torch.device(device)
+        self.sizes = ragged_sizes(max_tokens, min_tokens)
+        self.max_batch = max_batch
+        self.page_size = page_size
+        self.max_seq_len = max_pages * page_size
+        self.causal = causal
+        self.backend = backend
+        self.capture = capture
+        tokens = self.sizes[-1]
+        # starts [B] | lengths [B] | block-table rows [B] | tokens stored (the step's count; 0: none)
+        self.ints = torch.zeros(3 * max_batch + 1, dtype=torch.int64, device=self.device)
+        self.inputs = torch.zeros((tokens, *input_shape), dtype=input_dtype, device=self.device)
+        self.tables = torch.zeros((max_batch, max_pages), dtype=torch.int32, device=self.device)
+        self.query_start = torch.zeros(max_batch + 1, dtype=torch.int64, device=self.device)
+        self.token_index = torch.arange(tokens, device=self.device)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        self._pool = None
+        self.steps_run = 0
+
+    def accepts(self, num_tokens: int, num_rows: int, widest_table: int) -> bool:
+        """Whether a step of ``num_tokens`` in ``num_rows`` rows, none with more pages than ``widest_table``, fits."""
+        return (0 < num_tokens <= self.sizes[-1] and 0 < num_rows <= self.max_batch
+                and widest_table <= self.tables.shape[1])
+
+    def padded(self, num_tokens: int) -> int:
+        return next(size for size in self.sizes if size >= num_tokens)
+
+    def _forward(self, size: int) -> tuple[torch.Tensor, ...]:
+        b, page = self.max_batch, self.page_size
+        starts, lengths, stored = self.ints[:b], self.ints[b:2 * b], self.ints[3 * b:]
+        query_start = self.query_start
+        torch.cumsum(lengths, 0, out=query_start[1:])
+        token = self.token_index[:size]
+        row = torch.searchsorted(query_start[1:], token, right=True).clamp_(max=b - 1)
+        positions = torch.where(token < query_start[b], starts[row] + token - query_start[row], 0)
+        pages = self.tables[row, positions // page].long()
+        slots = torch.where(token < stored, pages * page + positions % page, -1)
+        meta = AttentionMetadata(query_start_loc=query_start.int(), seq_lens=(starts + lengths).int(),
+                                 block_tables=self.tables, slot_mapping=slots, max_query_len=size,
+                                 max_seq_len=self.max_seq_len, causal=self.causal, backend=self.backend,
+                                 uniform=False)
+        return tuple(self.fn(self.inputs[:size], positions, meta))
+
+    def _check_inputs(self, size: int) -> None:
+        """One row of ``size`` tokens (at most the tables' reach) from position 0 on page 0, which it only reads (no
+        token is stored): inputs whose every output is defined, so that a replay can be compared with eager."""
+        self.ints.zero_()
+        self.ints[self.max_batch] = min(size, self.max_seq_len)
+        self.tables[0].zero_()
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every size, the largest first so that the smaller ones reuse its memory pool."""
+        for size in reversed(self.sizes):
+            self._check_inputs(size)
+            graph, outputs = capture_graph(self.device, self._pool, lambda: self._forward(size))
+            self._pool = graph.pool()
+            check_replay(graph, outputs, lambda: self._forward(size), f"a ragged step of {size} tokens")
+            self._graphs[size] = (graph, outputs)
+        self.ints.zero_()
+        log.info("captured %d CUDA graphs of ragged steps (token counts %s)", len(self._graphs), self.sizes)
+
+    @torch.inference_mode()
+    def replays_equal_eager(self) -> tuple[int, int]:
+        """(graphs whose replay is bit-identical to the eager forward of the same static inputs, graphs)."""
+        def entries():
+            for size, (graph, outputs) in self._graphs.items():
+                self._check_inputs(size)
+                yield graph, outputs, lambda size=size: self._forward(size)
+        try:
+            return count_equal(entries())
+        finally:
+            self.ints.zero_()
+
+    @torch.inference_mode()
+    def run(self, starts: Sequence[int], lengths: Sequence[int], table_rows: Sequence[int], table: torch.Tensor,
+            inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The forward over rows ``starts`` / ``lengths`` whose block tables are rows ``table_rows`` of ``table``
+        (``DeviceBlockTables.table``), their per-token ``inputs`` concatenated; the outputs' rows of its tokens."""
+        n, total = len(starts), sum(lengths)
+        size, b = self.padded(total), self.max_batch
+        pad = [0] * (b - n)
+        host = [*starts, *pad, *lengths, *pad, *table_rows, *pad, total]
+        self.ints.copy_(torch.tensor(host, dtype=torch.int64, pin_memory=self.device.type == "cuda"),
+                        non_blocking=True)
+        if len(inputs) == 1:
+            self.inputs[:total].copy_(inputs[0])
+        else:
+            torch.cat(list(inputs), out=self.inputs[:total])
+        index = self.ints[2 * b:2 * b + n]
+        width = min(table.shape[1], self.tables.shape[1])     # entries past a row's own pages are never read
+        if width == table.shape[1] == self.tables.shape[1]:
+            torch.index_select(table, 0, index, out=self.tables[:n])
+        else:
+            self.tables[:n, :width] = table[index, :width]
+        self.steps_run += 1
+        entry = self._graphs.get(size)
+        if entry is not None:
+            entry[0].replay()
+            outputs = entry[1]
+        elif self.capture:
+            raise RuntimeError(f"no CUDA graph was captured for a ragged step of {size} tokens")
+        else:
+            outputs = self._forward(size)
+        return tuple(out[:total] for out in outputs)
+
+
+def capture_graph(device: torch.device, pool, forward: Callable[[], tuple[torch.Tensor, ...]]
+                  ) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
+    """A CUDA graph of ``forward()`` over static inputs, in memory ``pool`` (None: a new one), and its outputs."""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        for _ in range(2):       # compiles the Triton kernels and sets up cuBLAS outside the capture
+            forward()
+    current.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = forward()
+    return graph, outputs
+
+
+def check_replay(graph: torch.cuda.CUDAGraph, outputs: Sequence[torch.Tensor],
+                 forward: Callable[[], tuple[torch.Tensor, ...]], what: str) -> None:
+    """Replay ``graph`` and run ``forward`` eagerly on the same static inputs; raise unless they agree."""
+    graph.replay()
+    eager = forward()
+    for got, want in zip(outputs, eager):
+        if got.shape != want.shape or not torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2):
+            raise RuntimeError(f"the CUDA graph of {what} disagrees with the eager forward on the same inputs; "
+                               "run with cuda_graphs: off and report this")
+
+
+def count_equal(entries) -> tuple[int, int]:
+    """Of ``(graph, outputs, forward)`` entries: (how many replay bit-identically to ``forward()``, how many)."""
+    same = total = 0
+    for graph, outputs, forward in entries:
+        graph.replay()
+        replayed = [o.clone() for o in outputs]
+        same += all(torch.equal(a, b) for a, b in zip(replayed, forward()))
+        total += 1
+    return same, total

@@ -50,7 +50,7 @@ class EngineConfig:
     num_spec_tokens: int | None = None       # drafts per step; None: block_size - 1
     enable_prefix_caching: bool = True
     num_extra_kv_tokens: int = 0
-    cuda_graphs: str = "auto"                # "auto": on for CUDA with the triton backend and no TP; "on"; "off"
+    cuda_graphs: str = "auto"                # auto (CUDA, triton backend, no TP), on, decode (no ragged graphs), off
     overlap: str = "auto"                    # launch decode steps ahead of the host; "auto": on for CUDA without TP
 
     def __post_init__(self):

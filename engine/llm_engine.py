@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.cuda_graphs import StepGraphs, use_cuda_graphs
+from engine.cuda_graphs import RAGGED_MAX_TOKENS, RaggedGraphs, StepGraphs, use_cuda_graphs
 from engine.model import AttentionSite, Qwen3Model
 from engine.model_runner import ModelRunner, Row
 from engine.parallel import OP_STOP, OP_SYNC, OP_TARGET
@@ -60,8 +60,10 @@ class Speculator(Protocol):
 
     def clear_context(self, request: Request) -> None: ...
 
-    def enable_graphs(self, max_batch: int, max_pages: int, capture: bool) -> StepGraphs:
-        """Run the drafter's full blocks through ``StepGraphs`` (``LLMEngine.enable_cuda_graphs``)."""
+    def enable_graphs(self, max_batch: int, max_pages: int, capture: bool, max_tokens: int | None
+                      ) -> list[StepGraphs | RaggedGraphs]:
+        """Run the drafter's full blocks through ``StepGraphs``, and its other forwards of up to ``max_tokens``
+        tokens (None: none) through ``RaggedGraphs`` where it can (``LLMEngine.enable_cuda_graphs``)."""
         ...
 
     def attention_site(self) -> AttentionSite:
@@ -237,7 +239,7 @@ class LLMEngine:
         if backend == "triton" and model.device.type == "cuda":
             self.precompile_kernels()
         if use_cuda_graphs(cuda_graphs, model.device, backend, model.tp is not None):
-            self.enable_cuda_graphs(capture=True)
+            self.enable_cuda_graphs(capture=True, ragged=cuda_graphs != "decode")
 
     def attention_sites(self) -> list[AttentionSite]:
         """The target's attention layers, then the drafter's."""
@@ -261,19 +263,24 @@ class LLMEngine:
                  time.perf_counter() - start)
         return launched
 
-    def enable_cuda_graphs(self, capture: bool = True) -> None:
+    def enable_cuda_graphs(self, capture: bool = True, ragged: bool = True) -> None:
         """Decode and verification steps (rows of 1 or K + 1 tokens) and the drafter's blocks through CUDA graphs
-        at padded batch sizes up to ``max_num_seqs`` (at most ``MAX_GRAPH_BATCH``), captured now.
+        at padded batch sizes up to ``max_num_seqs`` (at most ``MAX_GRAPH_BATCH``), and steps with a prefill chunk
+        (and the drafter's context stores) of up to ``RAGGED_MAX_TOKENS`` through ragged graphs (``ragged``),
+        captured now.
         ``capture=False`` runs the graphs' static, padded inputs eagerly instead: how tests pin the padding
         on a machine without a GPU."""
         spec = self.speculator
         max_batch = min(self.max_num_seqs, MAX_GRAPH_BATCH)
+        max_tokens = min(self.scheduler.max_num_batched_tokens, RAGGED_MAX_TOKENS)
         pages = self.kv.pages_needed(self.max_model_len)
         query_lens = (1, spec.num_spec_tokens + 1) if spec else (1,)
         self.graphs = [self.runner.enable_graphs(query_lens, max_batch, pages, spec.capture_layers if spec else (),
                                                  capture)]
+        if ragged:
+            self.graphs.append(self.runner.enable_ragged_graphs(max_tokens, max_batch, pages, capture))
         if spec is not None:
-            self.graphs.append(spec.enable_graphs(max_batch, pages, capture))
+            self.graphs += spec.enable_graphs(max_batch, pages, capture, max_tokens if ragged else None)
         if capture:
             for graphs in self.graphs:
                 graphs.capture_all()

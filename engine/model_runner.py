@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.cuda_graphs import GRAPH_DECODE_SPLIT_TILES, StepGraphs
+from engine.cuda_graphs import GRAPH_DECODE_SPLIT_TILES, RaggedGraphs, StepGraphs
 from engine.model import LayerKV, Qwen3Model
 from engine.parallel import OP_TARGET, Message
-from kv.device_tables import upload
+from kv.device_tables import DeviceBlockTables, upload
 from kv.manager import KVCacheManager
 from kv.spec import LayerOwner
 
@@ -31,6 +31,19 @@ class Row:
 HOST_METADATA_MAX_TOKENS = 256
 
 
+def row_tables(kv: KVCacheManager, space: int, rows: Sequence[Row], device: torch.device
+               ) -> tuple[list[list[int]], DeviceBlockTables, list[int]]:
+    """The rows' block tables in page space ``space``, its device mirror, and their rows in it (brought up to
+    date); raises when a row's positions run past its pages."""
+    tables = [kv.block_table(r.request_id, space) for r in rows]
+    for row, table in zip(rows, tables):
+        if -(-(row.start + row.num_tokens) // kv.page_size) > len(table):
+            raise RuntimeError(f"request {row.request_id}: positions up to {row.start + row.num_tokens} exceed its "
+                               f"{len(table)} pages")
+    mirror = kv.device_block_tables(space, device)
+    return tables, mirror, mirror.rows([r.request_id for r in rows], tables)
+
+
 def build_metadata(kv: KVCacheManager, space: int, rows: Sequence[Row], *, causal: bool, backend: str,
                    device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
     """Positions [T] and attention metadata of ``rows`` over page space ``space``; K/V of every row's
@@ -41,13 +54,7 @@ def build_metadata(kv: KVCacheManager, space: int, rows: Sequence[Row], *, causa
     computed on the host for short steps (every kernel launched before a step's forward is host time the device
     may wait for) and on the device for long ones."""
     page_size = kv.page_size
-    tables = [kv.block_table(r.request_id, space) for r in rows]
-    for row, table in zip(rows, tables):
-        if -(-(row.start + row.num_tokens) // page_size) > len(table):
-            raise RuntimeError(f"request {row.request_id}: positions up to {row.start + row.num_tokens} exceed its "
-                               f"{len(table)} pages")
-    mirror = kv.device_block_tables(space, device)
-    table_rows = mirror.rows([r.request_id for r in rows], tables)
+    tables, mirror, table_rows = row_tables(kv, space, rows, device)
     num_tokens = sum(r.num_tokens for r in rows)
     max_query_len = max(r.num_tokens for r in rows)
     width = max(len(t) for t in tables)
@@ -85,6 +92,7 @@ def build_metadata(kv: KVCacheManager, space: int, rows: Sequence[Row], *, causa
         # Blocks of several queries (verification, drafting) split their keys as the graphs do, so a graphed and an
         # eager engine verify alike, to the bit; a decode step picks its splits from the batch.
         decode_split_tiles=GRAPH_DECODE_SPLIT_TILES if max_query_len > 1 else None,
+        uniform=all(r.num_tokens == max_query_len for r in rows),
     )
     return positions, meta
 
@@ -115,18 +123,18 @@ def device_metadata(kv: KVCacheManager, space: int, request_ids: Sequence[str], 
 def pack_inputs(ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
                 ) -> tuple[list[int], list[torch.Tensor]]:
     """A forward's ids, positions and attention metadata as a step message's integers and tensors."""
-    return ([meta.max_query_len, meta.max_seq_len, int(meta.causal)],
+    return ([meta.max_query_len, meta.max_seq_len, int(meta.causal), int(meta.uniform)],
             [ids, positions, meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens])
 
 
 def unpack_inputs(message: Message, backend: str
                   ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[torch.Tensor]]:
     """``pack_inputs`` undone on another rank; returns the message's remaining integers and tensors too."""
-    (max_q, max_s, causal), rest_ints = message.ints[:3], message.ints[3:]
+    (max_q, max_s, causal, uniform), rest_ints = message.ints[:4], message.ints[4:]
     ids, positions, slots, tables, starts, seq_lens = message.tensors[:6]
     meta = AttentionMetadata(query_start_loc=starts.int(), seq_lens=seq_lens.int(), block_tables=tables.int(),
                              slot_mapping=slots, max_query_len=max_q, max_seq_len=max_s, causal=bool(causal),
-                             backend=backend)
+                             backend=backend, uniform=bool(uniform))
     return ids, positions, meta, rest_ints, message.tensors[6:]
 
 
@@ -153,6 +161,7 @@ class ModelRunner:
         self.target_space = kv.space_of(LayerOwner.TARGET)
         self.layer_kv = layer_kv_of(kv, LayerOwner.TARGET, model.config.num_hidden_layers)
         self.graphs: StepGraphs | None = None
+        self.ragged: RaggedGraphs | None = None
         self._graph_capture_layers: tuple[int, ...] = ()
 
     def enable_graphs(self, query_lens: Sequence[int], max_batch: int, max_pages: int,
@@ -171,6 +180,25 @@ class ModelRunner:
                                  backend=self.backend, capture=capture)
         return self.graphs
 
+    def enable_ragged_graphs(self, max_tokens: int, max_batch: int, max_pages: int, capture: bool) -> RaggedGraphs:
+        """Run the steps of up to ``max_tokens`` tokens whose attention takes ragged tiles (rows of several lengths,
+        or longer than a split-KV block: steps with a prompt) through ``RaggedGraphs``; the graphs return the final
+        hidden states (and the captured ones of ``enable_graphs``' layers), and the wanted rows' logits are
+        computed after, eagerly."""
+        from engine.triton_attention import ragged_tiles
+
+        group = self.model.num_heads // self.model.num_kv_heads
+        self._ragged_tiles = lambda uniform, max_query_len: ragged_tiles(uniform, max_query_len, group)
+
+        def forward(ids, positions, meta):
+            hidden, captured = self.model.forward(ids, positions, self.layer_kv, meta, self._graph_capture_layers)
+            return (hidden,) if captured is None else (hidden, captured)
+
+        self.ragged = RaggedGraphs(forward, device=self.device, max_tokens=max_tokens, max_batch=max_batch,
+                                   max_pages=max_pages, page_size=self.kv.page_size, causal=True,
+                                   backend=self.backend, capture=capture)
+        return self.ragged
+
     def _graphable(self, rows: Sequence[Row], logit_rows: Sequence[int], capture_layers: Sequence[int]) -> bool:
         q = rows[0].num_tokens
         n = len(rows) * q
@@ -183,7 +211,17 @@ class ModelRunner:
             capture_layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Target forward over ``rows`` (their flattened token ``ids`` on the device); returns float32 logits at the
         flat indices ``logit_rows`` and the captured hidden states of every token (or None). A batch of rows of
-        one length whose every logit is wanted runs through the CUDA graphs when they are on."""
+        one length whose every logit is wanted runs through the CUDA graphs when they are on, a ragged one (a step
+        with a prompt) through the ragged graphs."""
+        if (self.ragged is not None and tuple(capture_layers) == self._graph_capture_layers
+                and self._ragged_tiles(all(r.num_tokens == rows[0].num_tokens for r in rows),
+                                       max(r.num_tokens for r in rows))):
+            tables, mirror, table_rows = row_tables(self.kv, self.target_space, rows, self.device)
+            if self.ragged.accepts(len(ids), len(rows), max(map(len, tables))):
+                outputs = self.ragged.run([r.start for r in rows], [r.num_tokens for r in rows], table_rows,
+                                          mirror.table, [ids])
+                index = upload(logit_rows, torch.int64, self.device)
+                return self._logits(outputs[0], index), (outputs[1] if capture_layers else None)
         positions, meta = build_metadata(self.kv, self.target_space, rows, causal=True, backend=self.backend,
                                          device=self.device)
         if self._graphable(rows, logit_rows, capture_layers):
@@ -211,8 +249,10 @@ class ModelRunner:
 
     def _forward(self, ids, positions, meta, index, capture_layers) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden, captured = self.model.forward(ids, positions, self.layer_kv, meta, capture_layers)
-        logits = self.model.compute_logits(hidden[index], self.backend) if len(index) else hidden.new_zeros(0)
-        return logits, captured
+        return self._logits(hidden, index), captured
+
+    def _logits(self, hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden[index], self.backend) if len(index) else hidden.new_zeros(0)
 
     @torch.inference_mode()
     def follow(self, message: Message) -> torch.Tensor | None:

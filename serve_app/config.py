@@ -64,7 +64,8 @@ class ModelSettings(_Strict):
     max_num_batched_tokens: int = Field(512, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     attention_backend: Literal["torch", "triton"] | None = None
-    cuda_graphs: Literal["auto", "on", "off"] = "auto"   # auto: on for CUDA with the triton backend and no TP
+    # auto: on for CUDA with the triton backend and no TP; decode: auto for decode-shaped steps only
+    cuda_graphs: Literal["auto", "on", "decode", "off"] = "auto"
     overlap: Literal["auto", "on", "off"] = "auto"       # decode steps launched ahead of the host; auto: CUDA, no TP
     tensor_parallel_size: int = Field(1, ge=1)        # every role's, unless its deployment sets its own
     pipeline_parallel_size: int = Field(1, ge=1)

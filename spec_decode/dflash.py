@@ -9,11 +9,12 @@ from collections.abc import Sequence
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.cuda_graphs import StepGraphs
+from engine.cuda_graphs import RaggedGraphs, StepGraphs
 from engine.llm import EngineConfig, kv_cache_dtype
 from engine.llm_engine import Proposal
 from engine.model import AttentionSite, Qwen3Model
-from engine.model_runner import Row, build_metadata, device_metadata, layer_kv_of, pack_inputs, unpack_inputs
+from engine.model_runner import (Row, build_metadata, device_metadata, layer_kv_of, pack_inputs, row_tables,
+                                 unpack_inputs)
 from engine.parallel import OP_CLEAR, OP_DRAFT, OP_STORE, Message
 from engine.sampler import LogitsBlock, adjust_logits, draw, probabilities
 from engine.scheduler import ScheduledRequest
@@ -49,6 +50,7 @@ class DFlashSpeculator:
         self.layer_kv = layer_kv_of(kv, LayerOwner.DRAFT, drafter.config.num_hidden_layers)
         self.tp = target.tp
         self.graphs: StepGraphs | None = None
+        self.store_graphs: RaggedGraphs | None = None
         # With graphs, a step's context of at most one block per request waits here (request id -> (request, start,
         # captured rows)) and is stored by the next drafter graph, inside it: no eager launches and no metadata of
         # its own. The rows are a view of the target forward's output, valid until its next forward, which comes
@@ -63,9 +65,16 @@ class DFlashSpeculator:
         """Drafter blocks attend non-causally over their context and themselves."""
         return AttentionSite(self.drafter.num_heads, self.layer_kv[0], self.drafter.fc.dtype, causal=False)
 
-    def enable_graphs(self, max_batch: int, max_pages: int, capture: bool) -> StepGraphs:
-        """Draft full blocks (``num_spec_tokens`` drafts a row) through ``StepGraphs``."""
+    def enable_graphs(self, max_batch: int, max_pages: int, capture: bool, max_tokens: int | None
+                      ) -> list[StepGraphs | RaggedGraphs]:
+        """Draft full blocks (``num_spec_tokens`` drafts a row) through ``StepGraphs``, and store contexts of up
+        to ``max_tokens`` rows that no draft takes (prompts) through ``RaggedGraphs`` (None: eagerly)."""
         width = self.num_spec_tokens + 1
+        self.store_graphs = None if max_tokens is None else RaggedGraphs(
+            lambda hidden, positions, meta: self._store(hidden, positions, meta.slot_mapping) or (),
+            device=self.drafter.device, max_tokens=max_tokens, max_batch=max_batch, max_pages=max_pages,
+            page_size=self.kv.page_size, causal=False, backend=self.backend, capture=capture,
+            input_shape=(self.drafter.fc.shape[1],), input_dtype=self.drafter.fc.dtype)
         self._ctx_hidden = torch.zeros(max_batch * width, self.drafter.fc.shape[1], dtype=self.drafter.fc.dtype,
                                        device=self.drafter.device)
         self._ctx_lens = torch.zeros(max_batch, dtype=torch.int64, device=self.drafter.device)
@@ -73,7 +82,7 @@ class DFlashSpeculator:
                                  device=self.drafter.device, query_lens=(width,), max_batch=max_batch,
                                  max_pages=max_pages, page_size=self.kv.page_size, causal=False,
                                  backend=self.backend, capture=capture)
-        return self.graphs
+        return [self.graphs] + ([self.store_graphs] if self.store_graphs else [])
 
     @torch.inference_mode()
     def draft_logits(self, requests: Sequence[Request], num_drafts: int) -> torch.Tensor:
@@ -238,6 +247,14 @@ class DFlashSpeculator:
         if not items:
             return
         rows = [Row(r.request_id, start, len(h)) for r, start, h in items]
+        if self.store_graphs is not None and self.tp is None:
+            tables, mirror, table_rows = row_tables(self.kv, self.space, rows, self.drafter.device)
+            if self.store_graphs.accepts(sum(r.num_tokens for r in rows), len(rows), max(map(len, tables))):
+                self.store_graphs.run([r.start for r in rows], [r.num_tokens for r in rows], table_rows,
+                                      mirror.table, [h for _, _, h in items])
+                for r, start, h in items:
+                    r.num_draft_context = start + len(h)
+                return
         positions, meta = build_metadata(self.kv, self.space, rows, causal=False, backend=self.backend,
                                          device=self.drafter.device)
         if self.tp is not None:

@@ -11,14 +11,15 @@ import torch
 
 from engine import SamplingParams
 from engine.attention import AttentionMetadata, store_kv
-from engine.cuda_graphs import StepGraphs, capture_sizes, use_cuda_graphs
+from engine.cuda_graphs import RaggedGraphs, StepGraphs, capture_sizes, ragged_sizes, use_cuda_graphs
 from engine.llm import EngineConfig
 from spec_decode import LLM
 from tests import checkpoints
 
 # Lengths and budgets that make the decode batch shrink inside one padded size (5 -> 4 -> ... rows in a graph
-# of 8), so rows a finished request used become padding.
-PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(10, 42)), [5] * 16, [100]]
+# of 8),
+# so rows a finished request used become padding; the first step, with a 40-token prompt, is a ragged one.
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(10, 50)), [5] * 16, [100]]
 MAX_TOKENS = [24, 9, 17, 30, 5]
 
 
@@ -84,6 +85,51 @@ def test_padded_rows_store_nothing_even_where_an_earlier_batch_stored():
     assert [k_cache[s // page_size, s % page_size, 0, 0].item() for s in (1, 6, 11)] == [6, 7, 8]
 
 
+def test_ragged_token_counts_ladder():
+    assert ragged_sizes(1024) == [*range(32, 257, 32), 320, 384, 448, 512, *range(640, 1025, 128)]
+    assert ragged_sizes(512, min_tokens=33) == [64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
+    assert ragged_sizes(100) == [32, 64, 96, 100] and ragged_sizes(20) == [20]
+    with pytest.raises(ValueError, match="min_tokens <= max_tokens"):
+        ragged_sizes(20, min_tokens=21)
+
+
+def test_a_ragged_step_computes_its_positions_and_slots_in_the_graph_and_its_padding_stores_nothing():
+    """Rows of 5, 2 and 1 tokens from different starts: the graph's positions, slots, query starts and lengths are
+    those of the rows (slot = page of the position in the row's table * page size + offset); the 24 tokens that pad
+    the step to 32 store nothing, and a later, smaller step stores nothing where the earlier one's tokens were
+    (their ids are still in the static inputs)."""
+    page_size = 4
+    cache = torch.zeros(8, page_size, 1, 1)
+    seen = {}
+
+    def forward(ids, positions, meta):
+        values = ids.float().view(-1, 1, 1)
+        store_kv(values, values, cache, cache.clone(), meta.slot_mapping)
+        seen.update(slots=meta.slot_mapping.clone(), starts=meta.query_start_loc.clone(), lens=meta.seq_lens.clone(),
+                    tables=meta.block_tables.clone(), max_query_len=meta.max_query_len)
+        return ids * 10, positions.clone()
+
+    graphs = RaggedGraphs(forward, device="cpu", max_tokens=64, max_batch=4, max_pages=4, page_size=page_size,
+                          causal=True, backend="torch", capture=False)
+    table = torch.tensor([[5, 0, 0, 0], [2, 6, 0, 0], [1, 3, 7, 0]], dtype=torch.int32)
+    ids = torch.arange(1, 9)
+    out, positions = graphs.run([3, 0, 9], [5, 2, 1], [1, 0, 2], table, [ids])
+    assert out.tolist() == (ids * 10).tolist() and positions.tolist() == [3, 4, 5, 6, 7, 0, 1, 9]
+    assert seen["max_query_len"] == 32 and seen["slots"].shape == (32,)
+    assert seen["slots"].tolist() == [11, 24, 25, 26, 27, 20, 21, 29] + [-1] * 24
+    assert seen["starts"].tolist() == [0, 5, 7, 8, 8] and seen["lens"].tolist() == [8, 2, 10, 0]
+    assert seen["tables"][:3].tolist() == table[[1, 0, 2]].tolist()           # each row's own table
+    stored = {s: cache.view(-1)[s].item() for s in (11, 24, 25, 26, 27, 20, 21, 29)}
+    assert list(stored.values()) == list(range(1, 9)) and cache.count_nonzero() == 8
+
+    cache.view(-1)[24:28] = -1.0                       # pages 6 changed hands since
+    out, positions = graphs.run([1], [2], [0], table, [torch.tensor([40, 41])])
+    assert out.tolist() == [400, 410] and positions.tolist() == [1, 2]
+    assert seen["slots"].tolist()[:3] == [21, 22, -1] and seen["lens"].tolist() == [3, 0, 0, 0]
+    assert cache.view(-1)[24:28].tolist() == [-1.0] * 4 and cache.view(-1)[21:23].tolist() == [40, 41]
+    assert graphs.steps_run == 2
+
+
 @pytest.mark.parametrize("with_drafter", [False, True])
 def test_static_padded_steps_give_the_eager_tokens_and_acceptance(tiny_target, drafter_dir, with_drafter):
     """The graphs' static padded inputs (run eagerly here) decode exactly what the eager engine decodes: tokens and
@@ -106,8 +152,9 @@ def test_static_padded_steps_give_the_eager_tokens_and_acceptance(tiny_target, d
     graphed, engine = generate(True)
     assert graphed == eager
     assert engine.kv.pages_in_use() == 0
-    runs = [g.steps_run for g in engine.graphs]
-    assert len(runs) == (2 if with_drafter else 1) and all(n > 5 for n in runs), runs
+    runs = [(type(g).__name__, g.steps_run) for g in engine.graphs]
+    kinds = ["StepGraphs", "RaggedGraphs"] * (2 if with_drafter else 1)     # the drafter's: blocks, context stores
+    assert [kind for kind, _ in runs] == kinds and all(n > (5 if kind == "StepGraphs" else 0) for kind, n in runs), runs
 
 
 def test_the_drafter_graph_stores_the_verified_context_as_the_eager_store_does():
