@@ -181,6 +181,8 @@ def app_args(mode: str, dtype: str, device: str, gpu_share: float, **overrides) 
     ingresses = overrides.pop("ingress_replicas", None)
     if ingresses is not None:
         args["ingress"] = {**args.get("ingress", {}), "num_replicas": ingresses}
+    if "cuda_graphs" in overrides:
+        args["model"]["cuda_graphs"] = overrides.pop("cuda_graphs")
     args.update(overrides)
     return args
 
@@ -251,17 +253,21 @@ def throughput(urls: dict[str, str], concurrencies: list[int], repeats: int, out
 
 
 def offline(args, concurrencies: list[int], repeats: int, output_len: int, dtype: str) -> list[dict]:
-    """The engine alone on the same GPU: batches of ``concurrency`` held-out prompts through ``LLM.generate``."""
+    """The engine alone on the same GPU: batches of ``concurrency`` held-out prompts through ``LLM.generate``, and
+    closed loops (``closed_loop``); the staggered one also with ``cuda_graphs: decode`` (prompt steps eager)."""
     from benchmarks.serve_bench import _bench_args
     from engine.sequence import SamplingParams
     from serve_app.bench import _prompts
     from spec_decode import LLM
 
     model = app_args("aggregated", dtype, args.device, 1.0)["model"]
-    llm = LLM(str(REPO / model["model"]), draft=str(REPO / model["draft"]), device=args.device, dtype=model["dtype"],
-              kv_cache_dtype=model["kv_cache_dtype"],
-              num_pages=model["num_pages"], max_model_len=model["max_model_len"],
-              max_num_batched_tokens=model["max_num_batched_tokens"], max_num_seqs=model["max_num_seqs"])
+
+    def engine(cuda_graphs: str):
+        return LLM(str(REPO / model["model"]), draft=str(REPO / model["draft"]), device=args.device,
+                   dtype=model["dtype"], kv_cache_dtype=model["kv_cache_dtype"], num_pages=model["num_pages"],
+                   max_model_len=model["max_model_len"], max_num_batched_tokens=model["max_num_batched_tokens"],
+                   max_num_seqs=model["max_num_seqs"], cuda_graphs=cuda_graphs)
+    llm, decode_only = engine("auto"), engine("decode")
     ns = argparse.Namespace(prompt_file=str(REPO / "benchmarks" / "prompts" / "heldout.jsonl"), input_len=64,
                             output_len=output_len, min_requests=16)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
@@ -275,9 +281,11 @@ def offline(args, concurrencies: list[int], repeats: int, output_len: int, dtype
             tokens += sum(len(o.token_ids) for o in llm.generate(prompts[i:i + concurrency], params))
         rows.append({"label": "offline", "max_concurrency": concurrency,
                      "output_throughput": tokens / (time.perf_counter() - start)})
-        for label, stagger in (("offline-closed-loop", False), ("offline-staggered", True)):
+        # The staggered loop twice, alternating: prompt steps through the ragged graphs, then eagerly.
+        for label, stagger, runner in (("offline-closed-loop", False, llm), ("offline-staggered", True, llm),
+                                       ("offline-staggered-decode-graphs", True, decode_only)):
             rows.append({"label": label, "max_concurrency": concurrency,
-                         **closed_loop(llm, prompts, params, concurrency, stagger)})
+                         **closed_loop(runner, prompts, params, concurrency, stagger)})
     return rows
 
 
@@ -287,7 +295,7 @@ def closed_loop(llm, prompts: list[str], params, concurrency: int, stagger: bool
     together and runs it to its end, so its rows never change mid-run). Started together, requests of one output
     length stay in step and finish together; ``stagger`` starts them one step apart, as requests arriving over
     HTTP do, so they keep arriving one or two at a time. Returns output tokens/s and the steps' wall times, split
-    into those that brought a request's first token (a prompt was computed: no CUDA graph) and the others."""
+    into those that brought a request's first token (a prompt was computed) and the others."""
     import torch
 
     engine, waiting = llm.engine, [llm.tokenizer.encode(p) for p in reversed(prompts)]
@@ -345,6 +353,8 @@ def main() -> int:
                    help="throughput: with this many ingress replicas, each in turn (default: the config's)")
     p.add_argument("--stream-interval", type=int, nargs="+", default=None, metavar="K",
                    help="throughput: with the replicas streaming every K steps, each in turn (default: the config's)")
+    p.add_argument("--cuda-graphs", nargs="+", default=None, choices=["auto", "on", "decode", "off"],
+                   help="throughput: with the engines' cuda_graphs set so, each in turn (default: the config's)")
     p.add_argument("--out", default="out/gpu_service")
     p.add_argument("--serve-mode", choices=["throughput", "default"], default="throughput",
                    help="as in benchmarks/serve_bench.py")
@@ -361,8 +371,10 @@ def main() -> int:
 
     gpu = args.device.startswith("cuda")
     # Throughput variants: every combination of the settings given (none: the config's).
-    variants = [{**({} if i is None else {"ingress_replicas": i}), **({} if k is None else {"stream_interval": k})}
-                for i in args.ingress_replicas or [None] for k in args.stream_interval or [None]]
+    variants = [{**({} if i is None else {"ingress_replicas": i}), **({} if k is None else {"stream_interval": k}),
+                 **({} if g is None else {"cuda_graphs": g})}
+                for i in args.ingress_replicas or [None] for k in args.stream_interval or [None]
+                for g in args.cuda_graphs or [None]]
     if gpu and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no GPU visible")
     out = Path(args.out)
@@ -485,8 +497,9 @@ def print_tables(result: dict) -> None:
                   f"{rates['offline-closed-loop']:.0f} in a closed loop "
                   f"({rates['offline-closed-loop'] / rates['offline']:.2f}x)")
             for o in result["throughput"]["offline"]:
-                if o["label"] == "offline-staggered" and o["max_concurrency"] == c:
-                    print(f"  staggered closed loop: {o['output_throughput']:.0f} tok/s "
+                if o["label"].startswith("offline-staggered") and o["max_concurrency"] == c:
+                    graphs = "decode-only graphs" if o["label"].endswith("decode-graphs") else "all graphs"
+                    print(f"  staggered closed loop, {graphs}: {o['output_throughput']:.0f} tok/s "
                           f"({o['output_throughput'] / rates['offline']:.2f}x batched); steps that computed a prompt: "
                           f"{o['prefill_steps']}, p50 {o['prefill_step_ms_p50']:.2f} ms, "
                           f"{o['prefill_step_s_total']:.2f} s; the others: {o['decode_steps']}, "

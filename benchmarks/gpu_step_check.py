@@ -11,9 +11,10 @@ per step, on the demo pair.
    each further warning is a sync to remove (a pageable host-to-device copy, an ``.item()``, a data-dependent
    shape). Prints the count per step and where the extra ones were raised.
 3. Seeded sampling repeats: the same seeded batch twice gives the same tokens.
-4. CUDA graphs (issue 12, item 2): every captured graph's replay is bit-identical to the eager forward of the same
-   padded inputs; a graphed engine (``cuda_graphs: on``) decodes the tokens and per-step AL of an eager one
-   (``off``) on the same batch, float32 and bf16; and the decode steps' mean time, graphed / eager, side by side.
+4. CUDA graphs (issue 12, item 2): every captured graph's replay (ragged ones too) is bit-identical to the eager
+   forward of the same padded inputs; a graphed engine (``cuda_graphs: on``) decodes the tokens and per-step AL of
+   an eager one (``off``) on the same batch, float32 and bf16; and the decode steps' mean time, graphed / eager,
+   side by side.
    Off CUDA the graphs' static padded inputs run eagerly (nothing is captured).
 5. Overlap (issue 12, item 4), the target alone and with the drafter: with steps launched ahead of the host
    (``overlap: on``) a batch of rows ending at different steps (max_tokens, a stop token; greedy, and a seeded
@@ -125,14 +126,7 @@ def graphs_match_eager(device: str, prompts: list[str], max_tokens: int) -> list
             if mode == "on" and device != "cuda":
                 engine.enable_cuda_graphs(capture=False)
             if mode == "on" and device == "cuda":
-                same = total = 0
-                for graphs in engine.graphs:
-                    for (size, q), (graph, outputs) in graphs._graphs.items():
-                        graph.replay()
-                        replayed = [o.clone() for o in outputs]
-                        eager = graphs._forward(size, q)
-                        same += all(torch.equal(a, b) for a, b in zip(replayed, eager))
-                        total += 1
+                same, total = map(sum, zip(*(graphs.replays_equal_eager() for graphs in engine.graphs)))
                 rows.append((f"graph replay == eager {dtype}", same == total, f"{same}/{total} graphs bit-identical"))
             for i, prompt in enumerate(prompts):
                 engine.add_request(llm.tokenizer.encode(prompt), params, request_id=str(i))
