@@ -217,3 +217,45 @@ def test_the_deferred_context_survives_short_budgets_and_preemption():
     stats = engine.spec_stats
     assert stats.num_draft_tokens < stats.num_drafts * engine.speculator.num_spec_tokens    # and the budget
     assert engine.speculator.contexts_in_graph > 0 and engine.kv.pages_in_use() == 0
+
+
+def test_ragged_graphs_give_the_eager_outputs_across_chunks_prefix_hits_and_sampling_options():
+    """Steps with a prompt through the ragged graphs' static padded inputs (run eagerly here): long prompts in
+    chunks of a 48-token budget beside decoding rows, a repeated prompt (a prefix hit: its last few tokens are a
+    short row among others), and rows with penalties, a logit bias, logprobs and seeded sampling. Demo pair: tokens,
+    logprobs and per-step acceptance equal the eager engine's, every ragged graph kind ran, no page is left; and
+    ``cuda_graphs: decode`` (``ragged=False``) captures only the uniform steps."""
+    demo = Path(__file__).resolve().parents[1] / "models" / "demo"
+    text = ["import os\nimport sys\n" * 6, "def add(a, b):\n    return a + b\n" * 4, "import os\nimport sys\n" * 6,
+            "class Stack:\n    def __init__(self):\n        self.items = []\n"]
+    params = [SamplingParams(max_tokens=14, ignore_eos=True),
+              SamplingParams(max_tokens=11, ignore_eos=True, repetition_penalty=1.3, logit_bias=((5, 2.0),)),
+              SamplingParams(max_tokens=9, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=7)]
+
+    def generate(ragged):
+        llm = LLM(str(demo / "target"), draft=str(demo / "drafter"), page_size=16, max_num_seqs=4,
+                  max_num_batched_tokens=48)
+        if ragged is not None:
+            llm.engine.enable_cuda_graphs(capture=False, ragged=ragged)
+        done, step = {}, 0
+        while step < 4 or llm.engine.has_unfinished():
+            if step < 4:     # one request a step: chunks, prefix hits and decodes mix
+                llm.engine.add_request(llm.tokenizer.encode(text[step]), params[step], request_id=str(step))
+            step += 1
+            for o in llm.engine.step():
+                if o.finished:
+                    done[o.request_id] = (o.token_ids, o.acceptance_lengths, o.num_cached_tokens,
+                                          [(lp.token_id, round(lp.logprob, 4)) for lp in o.logprobs or []])
+        return done, llm.engine
+
+    eager, _ = generate(None)
+    graphed, engine = generate(True)
+    assert graphed == eager and len(eager) == 4 and eager["2"][3]           # request 2 had logprobs
+    assert eager["2"][2] >= 16                                     # and a prefix hit on request 0's pages
+    ragged_runs = [g.steps_run for g in engine.graphs if isinstance(g, RaggedGraphs)]
+    assert len(ragged_runs) == 2 and all(n >= 3 for n in ragged_runs), ragged_runs
+    assert engine.kv.pages_in_use() == 0
+    _, decode_only = generate(False)
+    assert [type(g).__name__ for g in decode_only.graphs] == ["StepGraphs", "StepGraphs"]
+    assert use_cuda_graphs("decode", "cuda", "triton", tensor_parallel=False)
