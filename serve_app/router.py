@@ -33,14 +33,15 @@ class Router:
             yield result["chunk"]
             return
         ticket = result["ticket"]
-        # The first token goes out now, while its KV moves (unless it could still be cut by a stop string or
-        # end the request, which only the decode side's output settles).
+        # The decode call is routed while the first token goes out, and the first token goes out now, while its KV
+        # moves (unless it could still be cut by a stop string or end the request, which only the decode side's
+        # output settles).
         early = ticket.first_text is not None
         completed = False
+        gen = self.backends["decode"].options(stream=True).decode.remote(ticket)
         try:
             if early:
                 yield ticket.first_chunk()
-            gen = self.backends["decode"].options(stream=True).decode.remote(ticket)
             first = True
             async for chunk in _cancel_on_exit(gen):
                 if first and self.on_transfer is not None:
@@ -57,8 +58,10 @@ class Router:
             completed = True
         finally:
             if not completed:
-                # Closed early (a disconnect), maybe before the decode replica ever ran: give the held pages
-                # back now rather than at the hold timeout. After a READ has begun this only marks the lease.
+                # Closed early (a disconnect), maybe before the decode replica ever ran: stop the decode call and
+                # give the held pages back now rather than at the hold timeout. After a READ has begun this only
+                # marks the lease.
+                gen.cancel()
                 ticket.cancel()
 
 
