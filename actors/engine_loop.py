@@ -41,7 +41,7 @@ class EngineLoop:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Stream]] = {}
         self._finishers: dict[str, Callable[[LLMEngine, RequestOutput], Any]] = {}
         self._stop = threading.Event()
         self._hooks: list[Callable[[LLMEngine], None]] = []
@@ -77,15 +77,19 @@ class EngineLoop:
         ``(output, on_finish(engine, output))``, computed on the loop thread as the output is handed over (what
         needs the engine at that moment costs no second trip to the loop thread); an exception it raises
         arrives instead."""
-        q: asyncio.Queue = asyncio.Queue()
+        q = _Stream()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         if on_finish is not None:
             self._finishers[request_id] = on_finish
         return q
 
     def close_stream(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+        """Stop the stream (call it on the event loop that opened it): what a step handed over but the event loop
+        has not yet put in the queue is dropped, so nothing arrives after this returns."""
+        target = self._streams.pop(request_id, None)
         self._finishers.pop(request_id, None)
+        if target is not None:
+            target[1].closed = True
 
     def abort(self, request_id: str) -> concurrent.futures.Future:
         """Abort and free the request's pages; safe in a cancelled coroutine's ``finally`` (nothing to await)."""
@@ -95,7 +99,7 @@ class EngineLoop:
     def deliver(self, items: list[tuple[str, Any]]) -> None:
         """Hand ``(request_id, RequestOutput | exception)`` items to their streams, one wake-up per event loop.
         Outputs are handed over on the loop thread (``on_finish`` runs here); exceptions from any thread."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
         for request_id, item in items:
             target = self._streams.get(request_id)
             if target is None:
@@ -269,6 +273,12 @@ class ReservationQueue:
             waiter.set_result(result)
 
 
-def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
+class _Stream(asyncio.Queue):
+    """A request's output queue; ``closed`` once its consumer closed it (set and read on the consumer's loop)."""
+    closed = False
+
+
+def _put_all(batch: list[tuple[_Stream, Any]]) -> None:
     for q, item in batch:
-        q.put_nowait(item)
+        if not q.closed:
+            q.put_nowait(item)

@@ -216,3 +216,24 @@ def test_on_finish_runs_on_the_loop_thread_as_the_finished_output_is_handed_over
     items = asyncio.run(run("fin-b", broken))
     assert isinstance(items[-1], RuntimeError) and "hand-over failed" in str(items[-1])
     assert pages_in_use(loop) == 0
+
+
+def test_nothing_reaches_a_stream_after_it_is_closed_even_if_handed_over_before(loop):
+    """A step's outputs go to the consumer's event loop as one callback; a stream closed (an abort) after that
+    callback was scheduled but before it ran gets none of them, while the other streams in the batch do."""
+    from engine.llm_engine import RequestOutput
+
+    def output(request_id: str) -> RequestOutput:
+        return RequestOutput(request_id=request_id, prompt_token_ids=[1], token_ids=[2], text="", finished=False,
+                             finish_reason=None, new_token_ids=[2], text_delta="")
+
+    async def run():
+        kept, dropped = loop.open_stream("race-kept"), loop.open_stream("race-dropped")
+        # As the loop thread does after a step; the event loop cannot run the callback before the next await.
+        loop.deliver([("race-kept", output("race-kept")), ("race-dropped", output("race-dropped"))])
+        loop.close_stream("race-dropped")
+        await asyncio.sleep(0.05)
+        loop.close_stream("race-kept")
+        return kept.qsize(), dropped.qsize()
+
+    assert asyncio.run(run()) == (1, 0)

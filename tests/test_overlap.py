@@ -220,9 +220,10 @@ def test_the_engine_loop_streams_adds_and_aborts_between_overlapped_steps(demo_e
             if out.finished:
                 return tokens
             if outputs == abort_after:
+                queued = queue.qsize()      # outputs of steps before the abort may already wait in the queue
                 await asyncio.wrap_future(loop.abort(request_id))
                 await asyncio.sleep(0.2)            # steps run meanwhile: nothing more may arrive
-                assert queue.empty()
+                assert queue.qsize() == queued
                 return tokens
 
     async def scenario():
