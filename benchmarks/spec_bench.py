@@ -67,7 +67,10 @@ def demo_engines(args):
     return base, spec, prompts
 
 
-def random_engines(args):
+def random_engines(args, preset: dict | None = None, kv_cache_bytes: int = 8 * 2**30,
+                   max_num_batched_tokens: int = 4096, n_draft: int = 5):
+    """A random target of ``preset`` (else ``args.preset``'s) alone and with a random ``n_draft``-layer drafter,
+    sharing the target's weights, and ``args.num_prompts`` random 512-token prompts."""
     from benchmarks.engine_bench import PRESETS, make_hf
     from engine.checkpoint import Qwen3Config
     from engine.llm import EngineConfig
@@ -77,12 +80,11 @@ def random_engines(args):
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or "bfloat16")
-    preset = PRESETS[args.preset]
+    preset = preset or PRESETS[args.preset]
     hf = make_hf(preset, dtype, device)
     cfg = Qwen3Config.from_dict({**preset, "rms_norm_eps": 1e-6, "rope_theta": 1e6})
     target = Qwen3Model(cfg, dict(hf.state_dict()), device, dtype, "random")
     del hf
-    n_draft = 5
     h, hd, nq, nkv, inter = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, \
         cfg.intermediate_size
     layer_ids = default_target_layer_ids(cfg.num_hidden_layers, n_draft)
@@ -108,7 +110,8 @@ def random_engines(args):
                         p + "post_attention_layernorm.weight": torch.ones(h, device=device, dtype=dtype)})
     drafter = DFlashDrafter(dcfg, tensors, "random", max_positions=target.rope.max_positions)
     config = EngineConfig(model="random", device=args.device, dtype=str(dtype).removeprefix("torch."),
-                          kv_cache_bytes=8 * 2**30, max_num_batched_tokens=4096, kv_cache_dtype=args.kv_cache_dtype)
+                          kv_cache_bytes=kv_cache_bytes, max_num_batched_tokens=max_num_batched_tokens,
+                          kv_cache_dtype=args.kv_cache_dtype)
     base = build_engine_from_model(target, config)
     spec = build_engine_from_model(target, config, drafter=drafter)
     g = torch.Generator().manual_seed(0)

@@ -591,13 +591,14 @@ class LLMEngine:
                          logits, captured)
 
     def _settle(self, outputs: list[RequestOutput]) -> None:
-        """After a step's outputs: finished requests leave (unless they hold their pages), the others offer their
-        full pages to the prefix cache."""
+        """After a step's outputs: finished requests leave, unless they hold their pages; those and the running ones
+        offer their full pages to the prefix cache. A held request is a prefill that a decode peer will READ, which
+        ends in the step that computes the last of its prompt: its prompt's pages (their drafter context stored by
+        now) serve the next prompt that begins alike, a repeated system prompt or the next turn of a chat."""
         for out in outputs:
             request = self.requests[out.request_id]
-            if request.finished:
-                if not request.hold_pages:
-                    del self.requests[out.request_id]
+            if request.finished and not request.hold_pages:
+                del self.requests[out.request_id]
             else:
                 self._commit(request)
 
@@ -655,7 +656,7 @@ class LLMEngine:
         draft_at: list[int] = []        # where the drafts go in the flat ids (they stay on the device)
         for item in scheduled:
             r = item.request
-            history = r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + item.num_new_tokens]
+            history = r.history[r.num_computed_tokens:r.num_computed_tokens + item.num_new_tokens]
             proposal = next(proposals) if item.num_spec_tokens else None
             num_drafts = proposal.num_drafts if proposal else 0
             rows.append(Row(r.request_id, r.num_computed_tokens, len(history) + num_drafts))
@@ -758,7 +759,7 @@ class LLMEngine:
         draft = None
         if self.speculator is not None:
             draft = r.num_draft_context if r.draft_context_valid else 0
-        self.kv.commit(r.request_id, r.all_token_ids, r.num_computed_tokens, draft)
+        self.kv.commit(r.request_id, r.history, r.num_computed_tokens, draft)
 
     def _append(self, r: Request, new_tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> list[int]:
         """Append tokens (and their ``logprobs`` entries) until a stop condition; finish the request when one is met.

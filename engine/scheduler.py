@@ -111,7 +111,7 @@ class Scheduler:
             return out       # the pool is full: admit nobody this step
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            prefix = self.kv.probe_prefix(request.all_token_ids) if request.num_computed_tokens == 0 else None
+            prefix = self.kv.probe_prefix(request.history) if request.num_computed_tokens == 0 else None
             cached = prefix.num_tokens if prefix else 0
             num_new = min(request.num_tokens - cached, budget)
             if not self.kv.allocate_slots(request.request_id, cached + num_new, prefix):

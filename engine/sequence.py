@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -208,7 +208,14 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
+        """Prompt and output as one new list: O(length). A step uses ``history`` instead."""
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def history(self) -> "TokenHistory":
+        """Prompt and output as one sequence without copying either: what a step reads of a request costs what
+        it reads, not the request's length."""
+        return TokenHistory(self.prompt_token_ids, self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -226,3 +233,33 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+
+class TokenHistory(Sequence):
+    """A read-only view of a request's prompt followed by its output: ``len``, an index and a slice (a new list of
+    the ids in it) cost O(1) and O(slice length), whatever the prompt's length."""
+
+    __slots__ = ("_prompt", "_output")
+
+    def __init__(self, prompt: list[int], output: list[int]):
+        self._prompt, self._output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self._prompt) + len(self._output)
+
+    def __getitem__(self, index):
+        n = len(self._prompt)
+        if isinstance(index, slice):
+            start, stop, stride = index.indices(n + len(self._output))
+            if stride != 1:
+                return [self[i] for i in range(start, stop, stride)]
+            if stop <= n:
+                return self._prompt[start:stop]
+            if start >= n:
+                return self._output[start - n:stop - n]
+            return self._prompt[start:] + self._output[:stop - n]
+        if index < 0:
+            index += n + len(self._output)
+        if not 0 <= index < n + len(self._output):
+            raise IndexError("token index out of range")
+        return self._prompt[index] if index < n else self._output[index - n]

@@ -25,6 +25,7 @@ class _RequestPages:
     page_hashes: list[int] = field(default_factory=list)        # chained hashes of the full pages so far
     registered: list[int] = field(default_factory=list)         # per space: leading pages registered in the cache
     draft_registered: list[int] = field(default_factory=list)   # per space: leading pages registered draft-complete
+    committed: tuple[int, int] = (0, 0)                         # full target / draft pages at the last commit
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,8 @@ class KVCacheManager:
         if state is not None and prefix is not None and prefix.num_tokens:
             raise ValueError(f"request {request_id} already has pages; a prefix hit only applies at admission")
         target = self.pages_needed(num_tokens)
+        if state is not None and all(len(table) >= target for table in state.tables):
+            return True         # most decode steps: the pages are there already
         plans = []
         for space, alloc in enumerate(self.allocators):
             have = len(state.tables[space]) if state else 0
@@ -161,7 +164,8 @@ class KVCacheManager:
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_target_tokens: int,
                num_draft_tokens: int | None = None) -> None:
-        """Register the request's newly full pages in the prefix cache.
+        """Register the request's newly full pages in the prefix cache. ``token_ids``: any sequence that slices
+        (a request's history view); only the newly full pages' tokens are read.
 
         ``num_target_tokens`` / ``num_draft_tokens``: positions whose target / draft K/V are stored.
         A target page is cached when full; it is reusable by a drafting request once its draft part is.
@@ -172,6 +176,9 @@ class KVCacheManager:
         num_draft_tokens = num_target_tokens if num_draft_tokens is None else num_draft_tokens
         full_target = min(num_target_tokens, len(token_ids)) // self.page_size
         full_draft = min(num_draft_tokens, len(token_ids)) // self.page_size
+        if (full_target, full_draft) == state.committed:
+            return          # no page filled since the last commit (most steps): nothing to register
+        state.committed = (full_target, full_draft)
         while len(state.page_hashes) < max(full_target, full_draft):
             i = len(state.page_hashes)
             parent = state.page_hashes[-1] if state.page_hashes else None

@@ -102,7 +102,7 @@ class DFlashSpeculator:
         rows = [Row(r.request_id, r.num_computed_tokens, width) for r in requests]
         positions, meta = build_metadata(self.kv, self.space, rows, causal=False, backend=self.backend, device=device)
         mask = self.drafter.config.mask_token_id
-        ids = upload([t for r in requests for t in [r.all_token_ids[-1]] + [mask] * num_drafts], torch.int64, device)
+        ids = upload([t for r in requests for t in [r.history[-1]] + [mask] * num_drafts], torch.int64, device)
         if self.tp is not None:
             ints, tensors = pack_inputs(ids, positions, meta)
             self.tp.publish(OP_DRAFT, ints + [len(requests), width], tensors)

@@ -18,6 +18,7 @@ from tests.test_serve_support import (CHUNK, free_port, metric_samples, metric_s
                                       write_tiny_pair)
 
 PROMPTS = ["Hello world", "The quick brown fox", "abc"]
+PAGE = 16          # the engine's default page size
 MAX_CONCURRENT = 3
 
 
@@ -200,15 +201,20 @@ def test_prompts_of_any_length_are_prefilled_whole(client, offline, server, leng
     assert_healthy_and_free(server)
 
 
-def test_a_repeated_long_prompt_is_prefilled_from_its_cached_pages(client, offline, server):
-    prompt = long_prompt(3 * CHUNK + 9, seed=77)
+@pytest.mark.parametrize("length", [CHUNK - 5, 2 * CHUNK, 3 * CHUNK + 9], ids=["one-chunk", "two-chunks",
+                                                                            "three-chunks-and-a-part"])
+def test_a_repeated_prompt_is_prefilled_from_its_cached_pages(client, offline, server, length):
+    """The prefill replica's request ends in the step that computes the last of its prompt: the pages of that step
+    (all of a one-chunk prompt's) are cached too, drafter context included, so a repeated prompt is computed from
+    them (every full page but the one holding its last token, which is always computed)."""
+    prompt = long_prompt(length, seed=77 + length)
     expected = offline.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
     first = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
                                       extra_body={"ignore_eos": True, "return_token_ids": True})
     again = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
                                       extra_body={"ignore_eos": True, "return_token_ids": True})
     assert first.usage.prompt_tokens_details.cached_tokens == 0
-    assert again.usage.prompt_tokens_details.cached_tokens == 3 * CHUNK     # every full page of the prompt
+    assert again.usage.prompt_tokens_details.cached_tokens == (length - 1) // PAGE * PAGE
     assert [r.choices[0].model_extra["token_ids"] for r in (first, again)] == [expected, expected]
     assert_healthy_and_free(server)
 

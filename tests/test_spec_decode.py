@@ -649,3 +649,42 @@ def test_a_step_brings_its_tokens_to_the_host_once(tiny_target, drafter_dir, mon
     monkeypatch.undo()
     assert drafted > 0
     assert all(r == ["tolist"] for r in per_step), per_step
+
+
+def test_steps_read_a_request_history_without_copying_it(tiny_target, drafter_dir, reference, monkeypatch):
+    """A step's host work per request is what it reads, not the request's length: no step, admission or prefix
+    cache commit builds prompt + output as one list (O(context) a request a step, ~50 us at 32k tokens). With that
+    copy made to fail, chunked prompts, a prefix hit and speculation give the same tokens, and pages come back."""
+    from engine.sequence import Request
+
+    llm = LLM(tiny_target, draft=drafter_dir, page_size=4, max_num_batched_tokens=12)
+    prompts = PROMPTS + [PROMPTS[2] + [7, 8]]          # the last one's first 32 tokens hit the prefix cache
+
+    def copied(self):
+        raise AssertionError("a step copied a request's whole history")
+
+    monkeypatch.setattr(Request, "all_token_ids", property(copied))
+    outs = llm.generate(prompts, GREEDY)
+    for p, o in zip(PROMPTS, outs):
+        assert o.token_ids == reference[tuple(p)]
+    assert outs[-1].num_cached_tokens > 0
+    assert llm.engine.kv.pages_in_use() == 0
+
+
+def test_a_history_view_indexes_and_slices_as_the_joined_list():
+    from engine.sequence import TokenHistory
+
+    prompt, output = list(range(10, 17)), [90, 91, 92]
+    view, joined = TokenHistory(prompt, output), prompt + output
+    assert len(view) == len(joined) and list(view) == joined
+    for i in range(-len(joined), len(joined)):
+        assert view[i] == joined[i]
+    for bad in (len(joined), -len(joined) - 1):
+        with pytest.raises(IndexError):
+            view[bad]
+    for start in range(-3, len(joined) + 2):
+        for stop in range(-3, len(joined) + 2):
+            assert view[start:stop] == joined[start:stop], (start, stop)
+    assert view[::2] == joined[::2] and view[-4:] == joined[-4:] and view[:] == joined
+    output.append(93)                        # a view, not a copy: later tokens show
+    assert view[-1] == 93 and len(view) == len(joined) + 1
