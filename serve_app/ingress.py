@@ -516,7 +516,8 @@ class Ingress:
             self.metrics.observe_finished(num_prompt_tokens=len(c.prompt_ids), num_generated=len(c.token_ids),
                                           finish_reason=c.finish_reason or "abort", ttft=c.ttft,
                                           e2e=time.perf_counter() - c.start, spec=c.spec,
-                                          token_gaps=c.token_gaps, timing=c.timing)
+                                          token_gaps=c.token_gaps, timing=c.timing,
+                                          num_cached_tokens=c.num_cached_tokens)
 
     def _usage(self, body, choices: list[Choice]) -> Usage:
         prompt_tokens = sum(len(c.prompt_ids) for c in choices[::body.n])

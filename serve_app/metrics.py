@@ -144,6 +144,8 @@ class ServiceMetrics:
         # Request metrics of this ingress: summed with the other ingresses' at each scrape.
         self.registry = r = CollectorRegistry()
         self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens processed", m, registry=r)
+        self.prefix_cache_hits = Counter("dflash_prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache "
+                                         "(the prefill replica's, disaggregated) instead of computed", m, registry=r)
         self.generation_tokens = Counter("dflash_generation_tokens", "Tokens generated", m, registry=r)
         self.request_success = Counter("dflash_request_success", "Requests finished", m + ["finished_reason"],
                                        registry=r)
@@ -185,13 +187,14 @@ class ServiceMetrics:
     # --- per request, from the ingress --------------------------------------------------------
     def observe_finished(self, *, num_prompt_tokens: int, num_generated: int, finish_reason: str, ttft: float | None,
                          e2e: float, spec: dict | None, token_gaps: list[float] = (),
-                         timing: dict | None = None) -> None:
+                         timing: dict | None = None, num_cached_tokens: int = 0) -> None:
         name = self.model_name
         if timing:
             self.queue_time.labels(name).observe(timing["queue_s"])
             self.prefill_time.labels(name).observe(timing["prefill_s"])
             self.decode_time.labels(name).observe(timing["decode_s"])
         self.prompt_tokens.labels(name).inc(num_prompt_tokens)
+        self.prefix_cache_hits.labels(name).inc(num_cached_tokens)
         self.generation_tokens.labels(name).inc(num_generated)
         self.request_success.labels(name, finish_reason).inc()
         self.e2e.labels(name).observe(e2e)

@@ -211,10 +211,12 @@ def test_a_repeated_prompt_is_prefilled_from_its_cached_pages(client, offline, s
     expected = offline.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
     first = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    before = metric_sum(metrics(server), "dflash_prefix_cache_hit_tokens_total")
     again = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
                                       extra_body={"ignore_eos": True, "return_token_ids": True})
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert again.usage.prompt_tokens_details.cached_tokens == (length - 1) // PAGE * PAGE
+    assert metric_sum(metrics(server), "dflash_prefix_cache_hit_tokens_total") - before == (length - 1) // PAGE * PAGE
     assert [r.choices[0].model_extra["token_ids"] for r in (first, again)] == [expected, expected]
     assert_healthy_and_free(server)
 
