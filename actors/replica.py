@@ -398,16 +398,22 @@ class DecodeReplica(EngineReplica):
         self._plans[ticket.peer_agents[0]] = plan
         return plan
 
-    async def _reserve(self, ticket: Ticket) -> list[list[int]] | None:
-        num_pages = -(-len(ticket.prompt_token_ids) // self.engine.kv.page_size)
+    async def _reserve(self, ticket: Ticket) -> tuple[list[list[int]], int] | None:
+        """Per space the pages the prompt's KV goes to, and how many leading ones this side's prefix cache already
+        holds (shared with other requests: the READ skips them); None when no pages came in time."""
+        page_size = self.engine.kv.page_size
+        num_pages = -(-len(ticket.prompt_token_ids) // page_size)
 
         def reserve(e):
-            if e.reserve_transfer(ticket.prompt_token_ids, ticket.first_token, ticket.params,
-                                  request_id=ticket.request_id, first_logprob=ticket.first_logprob) is None:
+            request = e.reserve_transfer(ticket.prompt_token_ids, ticket.first_token, ticket.params,
+                                         request_id=ticket.request_id, first_logprob=ticket.first_logprob,
+                                         reuse_prefix=self.transfer_draft_kv)
+            if request is None:
                 return None
             # A rank > 0 may still run a forward that writes these pages for the request that held them last.
             e.sync_ranks()
-            return [e.kv.block_table(ticket.request_id, s)[:num_pages] for s in range(len(e.kv.pools))]
+            return ([e.kv.block_table(ticket.request_id, s)[:num_pages] for s in range(len(e.kv.pools))],
+                    request.num_reused_tokens // page_size)
 
         return await self._reservations.reserve(ticket.request_id, reserve, self.reserve_timeout_s)
 
@@ -419,7 +425,7 @@ class DecodeReplica(EngineReplica):
         try:
             try:
                 plan = await self._connect(ticket)
-                tables = await self._reserve(ticket)
+                reserved = await self._reserve(ticket)
             except EngineStopped as e:
                 yield _error_from(e)
                 return
@@ -427,14 +433,15 @@ class DecodeReplica(EngineReplica):
                 status, kind = (400, "invalid_request_error") if type(e) is ValueError else (500, "server_error")
                 yield error_chunk(status, f"decode replica refused the request: {e}", kind)
                 return
-            if tables is None:
+            if reserved is None:
                 yield error_chunk(503, "no decode KV pages free", "overloaded")
                 return
+            tables, reused = reserved
             stats: dict = {}
             # The transfer runs to its end even if this stream is cancelled (only then may the pages be freed):
             # on the transfers loop, outside this call's Ray task (see ``detached``).
             self._transfers.call_soon_threadsafe(self._transfers.create_task,
-                                                 self._transfer(ticket, tables, stats, plan),
+                                                 self._transfer(ticket, tables, reused, stats, plan),
                                                  context=contextvars.Context())
             started = True
         finally:
@@ -449,9 +456,11 @@ class DecodeReplica(EngineReplica):
         async for chunk in self._stream(request_id, queue, transfer=stats):
             yield chunk
 
-    async def _transfer(self, ticket: Ticket, tables: list[list[int]], stats: dict, plan: list[list[int]]) -> None:
-        """Every decode rank READs from the prefill ranks in its ``plan`` at once (equal TP: rank r from rank r);
-        the request decodes, or fails, once every READ has ended."""
+    async def _transfer(self, ticket: Ticket, tables: list[list[int]], reused: int, stats: dict,
+                        plan: list[list[int]]) -> None:
+        """Every decode rank READs from the prefill ranks in its ``plan`` at once (equal TP: rank r from rank r)
+        the pages after the ``reused`` leading ones this side already holds; the request decodes, or fails, once
+        every READ has ended."""
         request_id = ticket.request_id
         self.num_awaiting_transfer += 1
         error: BaseException | None = None
@@ -461,7 +470,8 @@ class DecodeReplica(EngineReplica):
                 detached(kv_manager(agent).cancel.remote, lease)
         try:
             reads = await asyncio.gather(*(
-                kvm.read.remote(ticket.leases[source], ticket.peer_agents[source], ticket.tables, tables,
+                kvm.read.remote(ticket.leases[source], ticket.peer_agents[source],
+                                [t[reused:] for t in ticket.tables], [t[reused:] for t in tables],
                                 self.transfer_draft_kv, self.read_timeout_s, readers[source])
                 for kvm, sources in zip(self.group.kv_managers, plan) for source in sources),
                 return_exceptions=True)
@@ -472,7 +482,7 @@ class DecodeReplica(EngineReplica):
             if error is None:
                 stats.update(bytes=sum(r["bytes"] for r in reads), seconds=max(r["seconds"] for r in reads),
                              lease_seconds=max(r["lease_seconds"] for r in reads),
-                             descriptors=sum(r["descriptors"] for r in reads), tables=tables,
+                             descriptors=sum(r["descriptors"] for r in reads), tables=tables, reused_pages=reused,
                              transport="+".join(sorted({r["transport"] for r in reads})))
         finally:
             self.num_awaiting_transfer -= 1

@@ -334,14 +334,18 @@ class LLMEngine:
         return request
 
     def reserve_transfer(self, prompt_token_ids: Sequence[int], first_token: int, params: SamplingParams,
-                         request_id: str | None = None, first_logprob: TokenLogprob | None = None
-                         ) -> Request | None:
+                         request_id: str | None = None, first_logprob: TokenLogprob | None = None,
+                         reuse_prefix: bool = True) -> Request | None:
         """Decode side of a disaggregated request: allocate pages for a prompt whose KV a peer computed.
 
         Returns None (changing nothing) when the pool lacks pages now. The request waits in TRANSFERRING,
         never scheduled and its pages never freed, until ``finish_transfer`` says its READ has ended.
         ``first_logprob``: the first token's entry from the prefill's output, required when ``params.logprobs``
         is set (the outputs then list every token's, as an aggregated engine's do).
+        ``reuse_prefix``: the prompt's leading full pages that this engine's prefix cache holds (drafter context
+        included) are shared instead of allocated; ``num_reused_tokens`` says how many tokens they cover, and the
+        READ must skip those pages (they are shared: nothing may write into them). Off for a request whose draft
+        layers will be cleared (the ablation), which must own every page it clears.
         """
         request_id, ids = self._validate(request_id, prompt_token_ids, params)
         if not 0 <= first_token < self.model.config.vocab_size:
@@ -349,9 +353,11 @@ class LLMEngine:
         if params.logprobs is not None and (first_logprob is None or first_logprob.token_id != first_token):
             raise ValueError(f"logprobs={params.logprobs} needs first_logprob, the first token's entry from the "
                              f"prefill output (token {first_token}), got {first_logprob!r}")
-        if not self.kv.allocate_slots(request_id, len(ids) + 1):
+        prefix = self.kv.probe_prefix(ids) if reuse_prefix else None
+        if not self.kv.allocate_slots(request_id, len(ids) + 1, prefix):
             return None
         request = self._new_request(request_id, ids, params, status=RequestStatus.TRANSFERRING)
+        request.num_reused_tokens = prefix.num_tokens if prefix is not None else 0
         request.output_token_ids.append(first_token)
         if params.logprobs is not None:
             request.output_logprobs.append(first_logprob)

@@ -187,6 +187,7 @@ class Request:
     num_computed_tokens: int = 0       # positions whose target K/V are in the cache
     num_draft_context: int = 0         # positions whose drafter context K/V are in the draft layers
     num_cached_tokens: int = 0         # prompt tokens reused from the prefix cache at admission
+    num_reused_tokens: int = 0         # decode side of a transfer: prompt tokens whose pages it had (not READ)
     finish_reason: str | None = None   # "stop" | "length" | "abort" | "error"
     output_text: str = ""
     detokenizer: object | None = None  # engine.tokenizer.IncrementalDetokenizer, made at the first append

@@ -135,21 +135,29 @@ def decode_chunks(replica, ticket) -> list[dict]:
     return [ray.get(ref) for ref in replica.handle.decode.options(num_returns="streaming").remote(ticket)]
 
 
-def test_transfer_moves_target_and_draft_pages_byte_for_byte(tiny):
+def test_transfer_moves_target_and_draft_pages_byte_for_byte_and_skips_pages_the_decode_side_holds(tiny):
+    """A prompt's pages arrive byte for byte, target and draft layers. The same prompt again: its leading full page
+    is in the decode side's prefix cache (the first request's, drafter context included), so the READ moves only
+    the page after it, and the decode side's pages still equal the prefill side's."""
     info = RankInfo.from_json(ray.get(tiny.decode.handle.rank_infos.remote())[0])
     sizes = {layer.owner: layer.element_size for layer in info.layers}
     assert sizes["draft"] == 2 and sizes["target"] == (1 if tiny.config.kv_cache_dtype == "fp8" else 2)
-    # 32 tokens: two full pages, which decoding (positions 32 on) never writes again.
-    ticket = tiny.prefill_all(requests([TINY_PROMPTS[3][:32]], tag="bytes"))[0]
-    before = digests(tiny.prefill, ticket.tables)
-    chunks = decode_chunks(tiny.decode, ticket)
-    stats = chunks[0]["transfer"]
-    assert digests(tiny.decode, stats["tables"]) == before
-    pages = sum(len(t) for t in ticket.tables)
-    assert stats["bytes"] == pages * sum(g.page_stride for g in info.groups)
-    # Adjacent pages go as one descriptor: never more than one per page and group.
-    assert 1 <= stats["descriptors"] <= pages * len(info.groups)
-    assert sum(len(c["token_ids"]) for c in chunks) == 24 and chunks[-1]["finish_reason"] == "length"
+    stride = sum(g.page_stride for g in info.groups)
+    # 32 tokens no other test sends: two full pages, which decoding (positions 32 on) never writes again. A prefix
+    # hit leaves the last token's page to compute, so the repeat reuses one page.
+    prompt = [(5 * j + 11) % 120 + 1 for j in range(32)]
+    for tag, reused in (("bytes", 0), ("bytes-again", 1)):
+        ticket = tiny.prefill_all(requests([prompt], tag=tag))[0]
+        before = digests(tiny.prefill, ticket.tables)
+        chunks = decode_chunks(tiny.decode, ticket)
+        stats = chunks[0]["transfer"]
+        assert stats["reused_pages"] == reused
+        assert digests(tiny.decode, stats["tables"]) == before
+        moved = sum(len(t) - reused for t in ticket.tables)
+        assert stats["bytes"] == moved * stride
+        # Adjacent pages go as one descriptor: never more than one per page and group.
+        assert 1 <= stats["descriptors"] <= moved * len(info.groups)
+        assert sum(len(c["token_ids"]) for c in chunks) == 24 and chunks[-1]["finish_reason"] == "length"
 
 
 def test_ablation_moves_target_layers_only_and_stays_lossless(tiny):
@@ -160,6 +168,10 @@ def test_ablation_moves_target_layers_only_and_stays_lossless(tiny):
     stats = decode_chunks(tiny.ablated, ticket)[0]["transfer"]
     after = digests(tiny.ablated, stats["tables"])
     assert after["target"] == before["target"] and after["draft"] != before["draft"]
+    # A repeat reuses no page: the ablation clears the draft layers of its pages, so it must own all of them (its
+    # replica asks for no reuse, and the pages it cached hold no drafter context a drafting request could take).
+    ticket = tiny.prefill_all(requests([TINY_PROMPTS[3][:32]], tag="ablate-bytes-again"))[0]
+    assert decode_chunks(tiny.ablated, ticket)[0]["transfer"]["reused_pages"] == 0
     disagg, _ = run_disaggregated(tiny.prefill, tiny.ablated, reqs)
     assert [o.token_ids for o in disagg] == [o.token_ids for o in agg]
 

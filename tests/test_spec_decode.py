@@ -688,3 +688,26 @@ def test_a_history_view_indexes_and_slices_as_the_joined_list():
     assert view[::2] == joined[::2] and view[-4:] == joined[-4:] and view[:] == joined
     output.append(93)                        # a view, not a copy: later tokens show
     assert view[-1] == 93 and len(view) == len(joined) + 1
+
+
+def test_a_transfer_shares_the_cached_prefix_pages_only_when_asked(tiny_target, drafter_dir):
+    """The decode side of a transfer takes the prompt's leading full pages from its prefix cache (drafter context
+    complete) when asked, and says how many tokens they cover: the READ skips them. Without reuse (the ablation,
+    which clears the draft layers of every page it holds) it owns every page. A failed READ frees both, and the
+    cached pages stay cached."""
+    llm = LLM(tiny_target, draft=drafter_dir, page_size=4)
+    engine = llm.engine
+    prompt = PROMPTS[2]                                       # 32 tokens: 8 pages
+    first = llm.generate([prompt], GREEDY)[0].token_ids[0]    # its pages are cached, drafter context included
+    own = engine.reserve_transfer(prompt, first, GREEDY, request_id="own", reuse_prefix=False)
+    shared = engine.reserve_transfer(prompt, first, GREEDY, request_id="shared")
+    assert own.num_reused_tokens == 0 and shared.num_reused_tokens == 28      # all but the last token's page
+    own_table, shared_table = engine.kv.block_table("own", 0), engine.kv.block_table("shared", 0)
+    assert not set(own_table) & set(shared_table[:7])
+    for request_id in ("own", "shared"):
+        engine.finish_transfer(request_id, landed=False)
+    assert engine.kv.pages_in_use() == 0
+    again = engine.reserve_transfer(prompt, first, GREEDY, request_id="again")
+    assert again.num_reused_tokens == 28 and engine.kv.block_table("again", 0)[:7] == shared_table[:7]
+    engine.finish_transfer("again", landed=False)
+    assert engine.kv.pages_in_use() == 0

@@ -99,7 +99,7 @@ def test_each_decode_rank_reads_its_head_slice_bytes(demo):
     page_size x head dim x 4 bytes: one fragment per page, layer and K/V, which cannot coalesce further (the
     other head sits between them at the prefill rank)."""
     replicas, prompt_ids, _ = demo
-    reqs = requests(prompt_ids[:1], "bytes", max_tokens=4)
+    reqs = requests([prompt_ids[0][::-1]], "bytes", max_tokens=4)      # a prompt no decode replica holds pages of
 
     async def transfer_stats(decode_tp):
         rid, ids, params = reqs[0]
@@ -109,6 +109,7 @@ def test_each_decode_rank_reads_its_head_slice_bytes(demo):
 
     stats = {tp: asyncio.run(transfer_stats(tp)) for tp in (1, 2)}
     pages = len(stats[1]["tables"][0])
+    assert stats[1]["reused_pages"] == stats[2]["reused_pages"] == 0
     assert stats[2]["bytes"] == stats[1]["bytes"] == pages * 9 * 2 * 16 * 2 * 64 * 4
     assert stats[1]["descriptors"] <= pages                          # whole pages, adjacent ones coalesced
     # Per decode rank: one fragment per page, layer and K/V, of its head's 16 tokens.
