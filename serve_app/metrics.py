@@ -176,6 +176,8 @@ class ServiceMetrics:
                                             "launched) by KV transfers", m, registry=r)
         self.transfer_latency = Histogram("dflash_kv_transfer_latency_seconds", "KV READ (or copy) latency", m,
                                           buckets=TRANSFER_BUCKETS, registry=r)
+        self.transfer_reused_pages = Counter("dflash_kv_transfer_reused_pages", "Prompt pages a decode replica took "
+                                             "from its own prefix cache instead of READing them", m, registry=r)
         self.drafts = Counter("dflash_spec_decode_num_drafts", "Verification steps that carried drafts", m,
                               registry=r)
         self.draft_tokens = Counter("dflash_spec_decode_num_draft_tokens", "Draft tokens proposed", m, registry=r)
@@ -219,6 +221,7 @@ class ServiceMetrics:
             self.transfer_bytes.labels(self.model_name).inc(stats["bytes"])
             self.transfer_descriptors.labels(self.model_name).inc(stats.get("descriptors", 0))
             self.transfer_latency.labels(self.model_name).observe(stats["seconds"])
+            self.transfer_reused_pages.labels(self.model_name).inc(stats.get("reused_pages", 0))
 
     # --- per scrape, from the hub ---------------------------------------------------------------
     def own_text(self) -> str:

@@ -19,6 +19,7 @@ from tests.test_serve_support import (CHUNK, free_port, metric_samples, metric_s
 
 PROMPTS = ["Hello world", "The quick brown fox", "abc"]
 PAGE = 16          # the engine's default page size
+PAGE_BYTES = 16 * 3 * 2 * 2 * 16 * 4      # 2 target layers + 1 draft layer, 2 KV heads x 16 dims, K and V, float32
 MAX_CONCURRENT = 3
 
 
@@ -211,12 +212,20 @@ def test_a_repeated_prompt_is_prefilled_from_its_cached_pages(client, offline, s
     expected = offline.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
     first = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
                                       extra_body={"ignore_eos": True, "return_token_ids": True})
-    before = metric_sum(metrics(server), "dflash_prefix_cache_hit_tokens_total")
+    before = metrics(server)
     again = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    after = metrics(server)
+
+    def delta(name):
+        return metric_sum(after, name) - metric_sum(before, name)
+
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert again.usage.prompt_tokens_details.cached_tokens == (length - 1) // PAGE * PAGE
-    assert metric_sum(metrics(server), "dflash_prefix_cache_hit_tokens_total") - before == (length - 1) // PAGE * PAGE
+    assert delta("dflash_prefix_cache_hit_tokens_total") == (length - 1) // PAGE * PAGE
+    # The decode side holds those pages too (the first request's): it READs only the page of the last token.
+    assert delta("dflash_kv_transfer_reused_pages_total") == (length - 1) // PAGE
+    assert delta("dflash_kv_transfer_bytes_total") == (-(-length // PAGE) - (length - 1) // PAGE) * PAGE_BYTES
     assert [r.choices[0].model_extra["token_ids"] for r in (first, again)] == [expected, expected]
     assert_healthy_and_free(server)
 
@@ -289,8 +298,7 @@ def test_metrics_parse_and_counters_move_by_the_request(server, client):
     assert delta("dflash_e2e_request_latency_seconds_count") == 1
     # Host-memory pools: NIXL moves the pages (a mapped copy is only for pools on one GPU).
     assert delta("dflash_kv_transfers_total", transport="nixl") == 1 and delta("dflash_kv_transfers_total") == 1
-    # 7 prompt tokens: one page, 2 target layers + 1 draft layer, 2 KV heads x 16 dims, K and V, float32.
-    assert delta("dflash_kv_transfer_bytes_total") == 16 * 3 * 2 * 2 * 16 * 4
+    assert delta("dflash_kv_transfer_bytes_total") == PAGE_BYTES       # 7 prompt tokens: one page
     assert delta("dflash_kv_transfer_descriptors_total") == 1       # one page, one pool group (all float32)
     assert delta("dflash_spec_decode_num_drafts_total") == spec["num_drafts"] > 0
     assert delta("dflash_spec_decode_num_draft_tokens_total") == spec["draft_tokens"]
