@@ -241,6 +241,36 @@ def test_concurrent_long_prompts_each_equal_their_offline_output(client, offline
     assert_healthy_and_free(server)
 
 
+def test_concurrent_turns_of_one_conversation_share_its_cached_pages_on_both_sides(client, offline, server):
+    """A conversation's first turn, then its next turns (the first turn's prompt, its answer, more) at once: each
+    takes the common pages from the prefill side's cache and from the decode side's (shared by the concurrent
+    READs, which skip them), each output equals offline, and every page comes back."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    first_prompt = long_prompt(2 * CHUNK + 12, seed=500)
+    answer = greedy_ids(client, first_prompt, 12)
+    turns = [first_prompt + answer + long_prompt(5 + 9 * i, seed=600 + i) for i in range(MAX_CONCURRENT)]
+    expected = [o.token_ids for o in offline.generate(turns, SamplingParams(max_tokens=8, ignore_eos=True))]
+    before = metrics(server)
+    with ThreadPoolExecutor(len(turns)) as pool:
+        got = list(pool.map(lambda p: client.completions.create(
+            model="tiny", prompt=p, max_tokens=8, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True}), turns))
+    after = metrics(server)
+    assert [r.choices[0].model_extra["token_ids"] for r in got] == expected
+    # 140 prompt tokens and 12 answer tokens: 9 full pages in common. The prefill side holds the first prompt's 8
+    # (and the 9th once the first of the three to be computed has computed it); the decode side holds those 8 (READ
+    # for the first turn) and the 9th, which it filled decoding the answer (reusable once the drafter context of its
+    # tokens was stored, which the last steps' acceptance decides): each of the three READs skips 8 or 9.
+    common = (len(first_prompt) + len(answer)) // PAGE
+    assert (common, len(first_prompt) // PAGE) == (9, 8)
+    assert all(8 * PAGE <= r.usage.prompt_tokens_details.cached_tokens <= 9 * PAGE for r in got)
+    reused = metric_sum(after, "dflash_kv_transfer_reused_pages_total") - \
+        metric_sum(before, "dflash_kv_transfer_reused_pages_total")
+    assert MAX_CONCURRENT * 8 <= reused <= MAX_CONCURRENT * common
+    assert_healthy_and_free(server)
+
+
 def test_chat_schema_violation_is_422(server):
     r = httpx.post(f"{server}/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "robot",
                                                                                           "content": "x"}]})
