@@ -15,8 +15,15 @@ DEFAULT_APP_NAME = "dflash"
 
 
 def _engine_options(settings: DeploymentSettings, service: ServiceConfig, transfer: bool,
-                    tp_size: int = 1) -> dict[str, Any]:
+                    tp_size: int = 1, prefix_affinity: bool = False) -> dict[str, Any]:
     options = settings.serve_options()
+    if prefix_affinity:
+        # Replicas that compute prompts keep a prefix cache: prompts that begin alike go to the same one.
+        from ray.serve.config import RequestRouterConfig
+
+        from serve_app.routing import PrefixAffinityRouter
+
+        options["request_router_config"] = RequestRouterConfig(request_router_class=PrefixAffinityRouter)
     if (transfer or tp_size > 1) and settings.num_gpus > 0:
         # The replica and its KVManagerActor share one bundle (one GPU): the pool lives on that GPU. Each further
         # tensor-parallel rank (and its KV manager) gets a bundle with a GPU of its own on the same node.
@@ -46,12 +53,12 @@ def build_service(service: ServiceConfig) -> Application:
     if service.mode == "aggregated":
         backends = {"aggregated": serve.deployment(AggregatedServer, name="AggregatedServer").options(
             **_engine_options(service.aggregated, service, transfer=False,
-                              tp_size=service.tp_size("aggregated"))).bind(args, hub)}
+                              tp_size=service.tp_size("aggregated"), prefix_affinity=True)).bind(args, hub)}
     else:
         backends = {
             "prefill": serve.deployment(PrefillServer, name="PrefillServer").options(
                 **_engine_options(service.prefill, service, transfer=True,
-                                  tp_size=service.tp_size("prefill"))).bind(args, hub),
+                                  tp_size=service.tp_size("prefill"), prefix_affinity=True)).bind(args, hub),
             "decode": serve.deployment(DecodeServer, name="DecodeServer").options(
                 **_engine_options(service.decode, service, transfer=True,
                                   tp_size=service.tp_size("decode"))).bind(args, hub),
