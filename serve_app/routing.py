@@ -42,6 +42,8 @@ def rank(key: bytes, replica_ids: Sequence[str]) -> list[int]:
 class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
         key = prompt_key(pending_request)
         if key is None or len(candidate_replicas) < 2:
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
