@@ -208,11 +208,6 @@ class Request:
             self.generator = torch.Generator().manual_seed(self.params.seed)
 
     @property
-    def all_token_ids(self) -> list[int]:
-        """Prompt and output as one new list: O(length). A step uses ``history`` instead."""
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
     def history(self) -> "TokenHistory":
         """Prompt and output as one sequence without copying either: what a step reads of a request costs what
         it reads, not the request's length."""

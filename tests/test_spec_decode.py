@@ -651,24 +651,39 @@ def test_a_step_brings_its_tokens_to_the_host_once(tiny_target, drafter_dir, mon
     assert all(r == ["tolist"] for r in per_step), per_step
 
 
-def test_steps_read_a_request_history_without_copying_it(tiny_target, drafter_dir, reference, monkeypatch):
+def test_steps_read_a_request_history_without_copying_it(tiny_target, drafter_dir, reference):
     """A step's host work per request is what it reads, not the request's length: no step, admission or prefix
-    cache commit builds prompt + output as one list (O(context) a request a step, ~50 us at 32k tokens). With that
-    copy made to fail, chunked prompts, a prefix hit and speculation give the same tokens, and pages come back."""
-    from engine.sequence import Request
+    cache commit builds prompt + output as one list, or copies more of the prompt than a chunk (O(context) a request
+    a step, ~50 us at 32k tokens). With both made to fail, chunked prompts, a prefix hit and speculation give the
+    same tokens, and pages come back."""
+    budget = 12
 
-    llm = LLM(tiny_target, draft=drafter_dir, page_size=4, max_num_batched_tokens=12)
+    class Watched(list):
+        """A prompt that refuses to be joined with the output or copied beyond one chunk."""
+
+        def __add__(self, other):
+            raise AssertionError("a step joined a request's prompt and output")
+
+        def __getitem__(self, index):
+            if isinstance(index, slice) and len(range(*index.indices(len(self)))) > budget:
+                raise AssertionError(f"a step copied {len(range(*index.indices(len(self))))} prompt tokens")
+            return super().__getitem__(index)
+
+    llm = LLM(tiny_target, draft=drafter_dir, page_size=4, max_num_batched_tokens=budget)
+    engine = llm.engine
     prompts = PROMPTS + [PROMPTS[2] + [7, 8]]          # the last one's first 32 tokens hit the prefix cache
-
-    def copied(self):
-        raise AssertionError("a step copied a request's whole history")
-
-    monkeypatch.setattr(Request, "all_token_ids", property(copied))
-    outs = llm.generate(prompts, GREEDY)
-    for p, o in zip(PROMPTS, outs):
-        assert o.token_ids == reference[tuple(p)]
-    assert outs[-1].num_cached_tokens > 0
-    assert llm.engine.kv.pages_in_use() == 0
+    requests = []
+    for p in prompts:
+        requests.append(engine.add_request(p, GREEDY))
+        requests[-1].prompt_token_ids = Watched(requests[-1].prompt_token_ids)
+        for _ in range(6):                             # the earlier ones' pages are cached before the last one comes
+            engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    for p, r in zip(PROMPTS, requests):
+        assert r.output_token_ids == reference[tuple(p)]
+    assert requests[-1].num_cached_tokens > 0
+    assert engine.kv.pages_in_use() == 0
 
 
 def test_a_history_view_indexes_and_slices_as_the_joined_list():
