@@ -70,14 +70,15 @@ class EngineLoop:
         """``submit`` for coroutines: await the result."""
         return asyncio.wrap_future(self.submit(fn))
 
-    def open_stream(self, request_id: str, on_finish: Callable[[LLMEngine, RequestOutput], Any] | None = None
-                    ) -> asyncio.Queue:
+    def open_stream(self, request_id: str, on_finish: Callable[[LLMEngine, RequestOutput], Any] | None = None,
+                    queue: asyncio.Queue | None = None) -> asyncio.Queue:
         """A queue that receives this request's RequestOutputs (the last one has ``finished``), or an
         exception if the engine failed it. With ``on_finish``, the finished output arrives as the pair
         ``(output, on_finish(engine, output))``, computed on the loop thread as the output is handed over (what
         needs the engine at that moment costs no second trip to the loop thread); an exception it raises
-        arrives instead."""
-        q = _Stream()
+        arrives instead. ``queue``: where to put them instead of a new queue (anything with ``put_nowait`` and a
+        ``closed`` flag; the engine host forwards them to its replica's process)."""
+        q = _Stream() if queue is None else queue
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         if on_finish is not None:
             self._finishers[request_id] = on_finish
@@ -99,25 +100,19 @@ class EngineLoop:
     def deliver(self, items: list[tuple[str, Any]]) -> None:
         """Hand ``(request_id, RequestOutput | exception)`` items to their streams, one wake-up per event loop.
         Outputs are handed over on the loop thread (``on_finish`` runs here); exceptions from any thread."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
+        prepared = []
         for request_id, item in items:
-            target = self._streams.get(request_id)
-            if target is None:
+            if request_id not in self._streams:
                 continue
             if not isinstance(item, RequestOutput) or item.finished:
-                self._streams.pop(request_id, None)
                 finisher = self._finishers.pop(request_id, None)
                 if finisher is not None and isinstance(item, RequestOutput):
                     try:
                         item = (item, finisher(self.engine, item))
                     except Exception as e:       # the request's own failure, told to its stream
                         item = e
-            batches.setdefault(target[0], []).append((target[1], item))
-        for loop, batch in batches.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, batch)
-            except RuntimeError:       # the consumer's event loop closed: nobody is listening any more
-                pass
+            prepared.append((request_id, item))
+        hand_over(self._streams, prepared, _ends)
 
     @property
     def alive(self) -> bool:
@@ -226,29 +221,41 @@ class ReservationQueue:
             collections.OrderedDict()
         loop.add_hook(self._retry)
 
-    async def reserve(self, request_id: str, attempt: Callable[[LLMEngine], Any], timeout_s: float) -> Any:
-        """``attempt``'s first result that is not None, or None once ``timeout_s`` has passed without one. An
-        error ``attempt`` raises propagates. A caller cancelled while waiting must ``forget`` the request on the
-        loop thread (and undo a grant that came first)."""
+    def begin(self, request_id: str, attempt: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        """Queue the first ``attempt`` on the loop thread now (in order with the commands submitted before and
+        after it); the future gets its first result that is not None (None if ``forget`` comes first), or its
+        error."""
         waiter: concurrent.futures.Future = concurrent.futures.Future()
 
         def first_try(engine):
             result = None if self._waiting else attempt(engine)      # behind older waiters, wait too
             if result is None:
                 self._waiting[request_id] = (attempt, waiter)
-            return result
+            else:
+                waiter.set_result(result)
 
-        result = await self.loop.call(first_try)
-        if result is not None:
-            return result
+        def failed(tried: concurrent.futures.Future) -> None:
+            if tried.exception() is not None and not waiter.done():
+                waiter.set_exception(tried.exception())
+
+        self.loop.submit(first_try).add_done_callback(failed)
+        return waiter
+
+    async def reserve(self, request_id: str, attempt: Callable[[LLMEngine], Any], timeout_s: float) -> Any:
+        """``attempt``'s first result that is not None, or None once ``timeout_s`` has passed without one. An
+        error ``attempt`` raises propagates. A caller cancelled while waiting must ``forget`` the request on the
+        loop thread (and undo a grant that came first)."""
+        waiter = self.begin(request_id, attempt)
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(waiter)), timeout_s)
         except asyncio.TimeoutError:
             return await self.loop.call(lambda _: self._give_up(request_id, waiter))
 
     def forget(self, request_id: str) -> None:
-        """Loop thread: stop waiting for ``request_id`` (a grant already made stands)."""
-        self._waiting.pop(request_id, None)
+        """Loop thread: stop waiting for ``request_id`` (a grant already made stands; a waiter gets None)."""
+        entry = self._waiting.pop(request_id, None)
+        if entry is not None and not entry[1].done():
+            entry[1].set_result(None)
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -276,6 +283,30 @@ class ReservationQueue:
 class _Stream(asyncio.Queue):
     """A request's output queue; ``closed`` once its consumer closed it (set and read on the consumer's loop)."""
     closed = False
+
+
+def _ends(item) -> bool:
+    return not isinstance(item, RequestOutput) or item.finished
+
+
+def hand_over(streams: dict[str, tuple[asyncio.AbstractEventLoop, Any]], items: list[tuple[str, Any]],
+              ends: Callable[[Any], bool]) -> None:
+    """Put ``(request_id, item)`` items into their streams in ``streams`` (request id -> its event loop and
+    queue), one wake-up per event loop however many requests; a stream whose item ``ends`` it leaves
+    ``streams``. Items of requests without a stream are dropped (their consumer went away)."""
+    batches: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any]]] = {}
+    for request_id, item in items:
+        target = streams.get(request_id)
+        if target is None:
+            continue
+        if ends(item):
+            streams.pop(request_id, None)
+        batches.setdefault(target[0], []).append((target[1], item))
+    for loop, batch in batches.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:       # the consumer's event loop closed: nobody is listening any more
+            pass
 
 
 def _put_all(batch: list[tuple[_Stream, Any]]) -> None:

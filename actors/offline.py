@@ -68,7 +68,7 @@ class ReplicaActor:
         self.pg = placement_group(bundles, strategy="STRICT_PACK")
         ray.get(self.pg.ready())
         self.handle = ray.remote(cls).options(
-            num_cpus=num_cpus, num_gpus=0.9 if gpu else 0, max_concurrency=1000,
+            num_cpus=num_cpus, max_concurrency=1000,      # its rank 0 engine and KV manager take the bundle's GPU
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0),
         ).remote(config, **kwargs)
         ray.get(self.handle.ready.remote())

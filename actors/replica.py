@@ -15,6 +15,7 @@ import asyncio
 import collections
 import contextvars
 import dataclasses
+import functools
 import gc
 import logging
 import threading
@@ -23,41 +24,19 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from actors.engine_loop import EngineStopped, ReservationQueue
+from actors.chunks import error_chunk, error_from, merge_chunks, token_chunk
+from actors.engine_host import detached
+from actors.engine_loop import EngineStopped
 from actors.nixl_transfer import TransferError
-from actors.worker import KV_MANAGER_NAMESPACE, RankGroup, RankProblem
+from actors.worker import KV_MANAGER_NAMESPACE, RankGroup, RankProblem, freeze_heap
 from engine.llm import EngineConfig
-from engine.llm_engine import RequestOutput
+from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sequence import SamplingParams, SpecStats, TokenLogprob
 
 log = logging.getLogger(__name__)
 
-
-def token_chunk(out: RequestOutput, **extra) -> dict:
-    chunk = {"type": "tokens", "token_ids": list(out.new_token_ids), "text": out.text_delta,
-             "finished": out.finished, "finish_reason": out.finish_reason,
-             "num_cached_tokens": out.num_cached_tokens, **extra}
-    if out.new_logprobs is not None:
-        chunk["logprobs"] = list(out.new_logprobs)       # TokenLogprob per token of token_ids
-    if out.finished:
-        chunk["spec"] = dataclasses.asdict(out.spec)
-        if out.timing is not None:
-            chunk["timing"] = dataclasses.asdict(out.timing)
-    return chunk
-
-
-def error_chunk(status: int, message: str, error_type: str = "server_error") -> dict:
-    return {"type": "error", "status": status, "message": message, "error_type": error_type}
-
-
-def merge_chunks(first: dict, later: dict) -> dict:
-    """Two consecutive token chunks of one request as one (the later one's state wins)."""
-    merged = {**first, **later}
-    merged["token_ids"] = first["token_ids"] + later["token_ids"]
-    merged["text"] = first["text"] + later["text"]
-    if "logprobs" in first or "logprobs" in later:
-        merged["logprobs"] = first.get("logprobs", []) + later.get("logprobs", [])
-    return merged
+__all__ = ["AggregatedReplica", "PrefillReplica", "DecodeReplica", "Ticket", "collect", "token_chunk",
+           "error_chunk", "merge_chunks"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,13 +108,6 @@ def kv_manager(agent: str):
     return _kv_managers[agent]
 
 
-def detached(fn, *args):
-    """``fn(*args)`` outside the calling Ray task. An async actor finds the task that submits a call through a
-    context variable, and cancelling a task cancels what it submitted: a clean-up call made while its request
-    is being cancelled (a client went away) would be cancelled with it."""
-    return contextvars.Context().run(fn, *args)
-
-
 class EngineReplica:
     """What every role shares: the rank group, chunk streams, and inspection."""
 
@@ -156,8 +128,8 @@ class EngineReplica:
                                hold_timeout_s=hold_timeout_s, num_threads=num_threads, read_delay_s=read_delay_s,
                                kv_transport=kv_transport)
         self.replica_id = self.group.name
-        self.engine = self.group.worker.engine
-        self.loop = self.group.worker.loop
+        self.engine = self.group.engine        # rank 0's engine, in its own process (``actors.engine_host``)
+        freeze_heap()
 
     async def ready(self) -> str:
         return self.replica_id
@@ -176,10 +148,10 @@ class EngineReplica:
         nothing more is computed (a dead KV manager's pool may be gone with it), so the replica's devices are
         free for the one replacing it."""
         fatal = [p for p in problems if p.fatal]
-        if not fatal or self.loop.failed:
+        if not fatal or self.engine.failed:
             return
         log.error("%s lost a rank, failing its requests: %s", self.replica_id, "; ".join(map(str, fatal)))
-        self.loop.fail(EngineStopped(f"the {self.role} replica serving this request lost a process; retry it"))
+        self.engine.fail(EngineStopped(f"the {self.role} replica serving this request lost a process; retry it"))
 
     async def rank_infos(self) -> list[str]:
         return list(self.group.rank_infos)
@@ -187,15 +159,17 @@ class EngineReplica:
     async def kv_managers(self) -> list:
         return list(self.group.kv_managers)
 
-    async def gc_frozen(self) -> int:
-        """Objects of this process that the garbage collector no longer walks (``actors.worker.freeze_heap``)."""
-        return gc.get_freeze_count()
+    async def gc_frozen(self) -> dict[str, int]:
+        """Objects the garbage collector no longer walks (``actors.worker.freeze_heap``), in this process and in the
+        engine's."""
+        engine = await self.group.host.__ray_call__.remote(lambda _: gc.get_freeze_count())
+        return {"replica": gc.get_freeze_count(), "engine": engine}
 
     async def pages_in_use(self) -> int:
-        return await self.loop.call(lambda engine: engine.kv.pages_in_use())
+        return await self.group.host.pages_in_use.remote()
 
     async def page_digest(self, tables: list[list[int]], owners: Sequence[str] = ("target", "draft")) -> str:
-        return await self.loop.call(lambda _: self.group.worker.page_digest(tables, owners))
+        return await self.group.host.page_digest.remote(tables, owners)
 
     async def _stream(self, request_id: str, queue: asyncio.Queue, **first_extra) -> AsyncIterator[dict]:
         """Chunks until the request finishes; what piled up while the consumer was busy goes as one chunk, and
@@ -210,13 +184,12 @@ class EngineReplica:
                 while not queue.empty():
                     items.append(queue.get_nowait())
                 for item in items:
-                    if isinstance(item, BaseException):
+                    if item["type"] == "error":
                         finished = True
-                        chunk = _error_from(item)       # what was not sent yet goes with the request
+                        chunk = item       # what was not sent yet goes with the request
                         break
-                    finished = item.finished
-                    this = token_chunk(item)
-                    chunk = this if chunk is None else merge_chunks(chunk, this)
+                    finished = item["finished"]
+                    chunk = item if chunk is None else merge_chunks(chunk, item)
                     steps += 1
                 if not (first or finished or steps >= self.stream_interval):
                     continue
@@ -228,9 +201,9 @@ class EngineReplica:
                 chunk, steps = None, 0
         finally:
             if not finished:
-                self.loop.abort(request_id)
+                self.engine.abort(request_id)
             else:
-                self.loop.close_stream(request_id)
+                self.engine.close_stream(request_id)
 
     def shutdown(self) -> None:
         self.group.shutdown()
@@ -241,26 +214,38 @@ class AggregatedReplica(EngineReplica):
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[dict]:
-        queue = self.loop.open_stream(request_id)
+        queue = self.engine.open_stream(request_id)
         try:
-            await self.loop.call(lambda e: e.add_request(prompt_token_ids, params, request_id=request_id))
-        except ValueError as e:
-            self.loop.close_stream(request_id)
-            yield error_chunk(400, str(e), "invalid_request_error")
-            return
-        except EngineStopped as e:
-            self.loop.close_stream(request_id)
-            yield _error_from(e)
-            return
+            refused = await self.engine.start(request_id, prompt_token_ids, params)
         except BaseException:       # cancelled while being added: it may have been added all the same
-            self.loop.abort(request_id)
+            self.engine.abort(request_id)
             raise
+        if refused is not None:
+            self.engine.close_stream(request_id)
+            yield refused
+            return
         async for chunk in self._stream(request_id, queue):
             yield chunk
 
     async def generate_all(self, requests: Sequence[tuple[str, list[int], SamplingParams]]) -> list[RequestOutput]:
         """Every request at once (offline use); outputs in request order."""
         return list(await asyncio.gather(*(collect(rid, ids, self.generate(rid, ids, p)) for rid, ids, p in requests)))
+
+
+def _handover(request_id: str, prompt_token_ids: list[int], params: SamplingParams, num_pages: int,
+              e: LLMEngine, out: RequestOutput):
+    """On the prefill engine's thread as the finished output is handed over: what a ticket needs from the engine
+    (the pages' tables, the first token's text), or None when the request ends here."""
+    # Only the max_tokens=1 of this side stops a request that goes on to decode.
+    if out.finish_reason != "length" or params.max_tokens == 1:
+        return None
+    try:
+        e.sync_ranks()      # ranks > 0 have written their draft layers too before anyone READs them
+        return ([e.kv.block_table(request_id, s)[:num_pages] for s in range(len(e.kv.pools))],
+                e.first_text_delta(prompt_token_ids, params, out.token_ids[0]))
+    except Exception:
+        e.release(request_id)        # its stream gets the error: nothing is held for it
+        raise
 
 
 class PrefillReplica(EngineReplica):
@@ -272,7 +257,8 @@ class PrefillReplica(EngineReplica):
 
     def __init__(self, config: EngineConfig, **kwargs):
         super().__init__(config, **kwargs)
-        self._releases: dict[str, int] = {}      # request id -> ranks whose lease ended (engine thread only)
+        self._releases: collections.Counter[str] = collections.Counter()    # request id -> ranks whose lease ended
+        self._counting = threading.Lock()
         for i, kvm in enumerate(self.group.kv_managers):
             threading.Thread(target=self._release_loop, args=(kvm,), daemon=True, name=f"release-{i}").start()
 
@@ -286,85 +272,76 @@ class PrefillReplica(EngineReplica):
             except Exception:          # the KV manager is gone (shutdown or killed): nothing more to free
                 return
             for request_id in request_ids:
-                self.loop.submit(lambda e, r=request_id: self._release(e, r))
+                self._release(request_id)
 
-    def _release(self, engine, request_id: str) -> None:
-        """On the engine thread: free a request's pages once every rank's lease on them has ended (the ranks'
-        pages share rank 0's page ids, and a decode rank may still be reading another rank's)."""
-        ended = self._releases.get(request_id, 0) + 1
-        if ended < len(self.group.kv_managers):
-            self._releases[request_id] = ended
-            return
-        self._releases.pop(request_id, None)
-        engine.release(request_id)
+    def _release(self, request_id: str) -> None:
+        """Free a request's pages once every rank's lease on them has ended (the ranks' pages share rank 0's page
+        ids, and a decode rank may still be reading another rank's)."""
+        with self._counting:
+            self._releases[request_id] += 1
+            if self._releases[request_id] < len(self.group.kv_managers):
+                return
+            del self._releases[request_id]
+        self.engine.release(request_id)
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> dict:
         """``{"ticket": Ticket}`` to continue on a decode replica, or ``{"chunk": ...}`` when the request
         ends here (its first token ends it, or it failed)."""
         start = time.perf_counter()
-        num_pages = -(-len(prompt_token_ids) // self.engine.kv.page_size)
-
-        def handover(e, out: RequestOutput):
-            """On the engine thread as the finished output is handed over: what a ticket needs from the engine."""
-            # Only the max_tokens=1 of this side stops a request that goes on to decode.
-            if out.finish_reason != "length" or params.max_tokens == 1:
-                return None
-            try:
-                e.sync_ranks()      # ranks > 0 have written their draft layers too before anyone READs them
-                return ([e.kv.block_table(request_id, s)[:num_pages] for s in range(len(e.kv.pools))],
-                        e.first_text_delta(prompt_token_ids, params, out.token_ids[0]))
-            except Exception:
-                e.release(request_id)        # its stream gets the error: nothing is held for it
-                raise
-
-        queue = self.loop.open_stream(request_id, on_finish=handover)
-        try:
-            await self.loop.call(lambda e: e.add_request(
-                prompt_token_ids, dataclasses.replace(params, max_tokens=1), request_id=request_id,
-                hold_pages=True))
-        except ValueError as e:
-            self.loop.close_stream(request_id)
-            return {"chunk": error_chunk(400, str(e), "invalid_request_error")}
-        except EngineStopped as e:
-            self.loop.close_stream(request_id)
-            return {"chunk": _error_from(e)}
+        num_pages = -(-len(prompt_token_ids) // self.engine.page_size)
+        queue = self.engine.open_stream(request_id)
         settled = False       # True once the pages are freed or held under a lease
         try:
-            item = await queue.get()
-            while isinstance(item, RequestOutput):
-                item = await queue.get()       # a partial prefill chunk: the prompt is not computed yet
-            if isinstance(item, BaseException):
-                settled = True                 # the engine loop (or the failed hand-over) already freed it
-                return {"chunk": _error_from(item)}
-            out, handed = item
-            if handed is None:        # the request ends here
-                self.loop.submit(lambda e: e.release(request_id))
+            refused = await self.engine.start(
+                request_id, prompt_token_ids, dataclasses.replace(params, max_tokens=1), hold_pages=True,
+                on_finish=functools.partial(_handover, request_id, list(prompt_token_ids), params, num_pages))
+            if refused is not None:
                 settled = True
-                chunk = token_chunk(out)
-                chunk["token_ids"], chunk["text"] = list(out.token_ids), out.text
-                if out.logprobs is not None:
-                    chunk["logprobs"] = list(out.logprobs)
+                return {"chunk": refused}
+            item = await queue.get()
+            while isinstance(item, dict) and item["type"] == "tokens":
+                item = await queue.get()       # a partial prefill chunk: the prompt is not computed yet
+            if isinstance(item, dict):         # an error chunk: the engine loop (or the failed hand-over) freed it
+                settled = True
+                return {"chunk": item}
+            chunk, handed = item
+            if handed is None:        # the request ends here; its one output carries all of it
+                self.engine.release(request_id)
+                settled = True
                 return {"chunk": chunk}
             tables, first_text = handed
             leases = [f"{request_id}#{uuid.uuid4().hex[:8]}" for _ in self.group.kv_managers]
-            ticket = Ticket(request_id, list(prompt_token_ids), params, out.token_ids[0], tables, leases,
+            ticket = Ticket(request_id, list(prompt_token_ids), params, chunk["token_ids"][0], tables, leases,
                             [self.group.agent_name(i) for i in range(len(leases))], list(self.group.rank_infos),
-                            first_text, out.num_cached_tokens, time.perf_counter() - start,
-                            out.logprobs[0] if out.logprobs else None,
-                            dataclasses.asdict(out.timing) if out.timing is not None else None)
+                            first_text, chunk["num_cached_tokens"], time.perf_counter() - start,
+                            chunk["logprobs"][0] if chunk.get("logprobs") else None, chunk.get("timing"))
             # The holds are sent right after the ticket goes out, not before it and not awaited: a READ that
             # overtakes its hold waits for it (or a cancel frees the pages when the hold arrives).
             asyncio.get_running_loop().call_soon(self._hold, request_id, leases, context=contextvars.Context())
             settled = True
             return {"ticket": ticket}
         finally:
-            self.loop.close_stream(request_id)
+            self.engine.close_stream(request_id)
             if not settled:
-                self.loop.abort(request_id)
+                self.engine.abort(request_id)
 
     def _hold(self, request_id: str, leases: list[str]) -> None:
         for kvm, lease in zip(self.group.kv_managers, leases):
             kvm.hold.remote(request_id, lease, self.hold_timeout_s)
+
+
+def _reserve(ticket: "Ticket", num_pages: int, reuse_prefix: bool, e: LLMEngine):
+    """On the decode engine's thread: the ticket's pages per space and how many leading ones are reused, or None
+    while the pool lacks pages."""
+    request = e.reserve_transfer(ticket.prompt_token_ids, ticket.first_token, ticket.params,
+                                 request_id=ticket.request_id, first_logprob=ticket.first_logprob,
+                                 reuse_prefix=reuse_prefix)
+    if request is None:
+        return None
+    # A rank > 0 may still run a forward that writes these pages for the request that held them last.
+    e.sync_ranks()
+    return ([e.kv.block_table(ticket.request_id, s)[:num_pages] for s in range(len(e.kv.pools))],
+            request.num_reused_tokens // e.kv.page_size)
 
 
 class DecodeReplica(EngineReplica):
@@ -378,8 +355,6 @@ class DecodeReplica(EngineReplica):
         # Per prefill replica (its rank 0's agent): per decode rank, the prefill ranks it READs from.
         self._plans: dict[str, list[list[int]]] = {}
         self.num_awaiting_transfer = 0
-        # Reservations waiting for free pages: retried whenever pages may have been freed, never on a timer.
-        self._reservations = ReservationQueue(self.loop)
         # Transfers run on an event loop of their own thread.
         self._transfers = asyncio.new_event_loop()
         threading.Thread(target=self._transfers.run_forever, name="transfers", daemon=True).start()
@@ -398,45 +373,31 @@ class DecodeReplica(EngineReplica):
         self._plans[ticket.peer_agents[0]] = plan
         return plan
 
-    async def _reserve(self, ticket: Ticket) -> tuple[list[list[int]], int] | None:
-        """Per space the pages the prompt's KV goes to, and how many leading ones this side's prefix cache already
-        holds (shared with other requests: the READ skips them); None when no pages came in time."""
-        page_size = self.engine.kv.page_size
-        num_pages = -(-len(ticket.prompt_token_ids) // page_size)
-
-        def reserve(e):
-            request = e.reserve_transfer(ticket.prompt_token_ids, ticket.first_token, ticket.params,
-                                         request_id=ticket.request_id, first_logprob=ticket.first_logprob,
-                                         reuse_prefix=self.transfer_draft_kv)
-            if request is None:
-                return None
-            # A rank > 0 may still run a forward that writes these pages for the request that held them last.
-            e.sync_ranks()
-            return ([e.kv.block_table(ticket.request_id, s)[:num_pages] for s in range(len(e.kv.pools))],
-                    request.num_reused_tokens // page_size)
-
-        return await self._reservations.reserve(ticket.request_id, reserve, self.reserve_timeout_s)
-
     async def decode(self, ticket: Ticket) -> AsyncIterator[dict]:
         """Move the ticket's KV here and stream the rest of its tokens (the first chunk carries ``transfer``)."""
         request_id = ticket.request_id
-        queue = self.loop.open_stream(request_id)
+        queue = self.engine.open_stream(request_id)
         started = False
         try:
             try:
                 plan = await self._connect(ticket)
-                reserved = await self._reserve(ticket)
-            except EngineStopped as e:
-                yield _error_from(e)
-                return
             except Exception as e:
                 status, kind = (400, "invalid_request_error") if type(e) is ValueError else (500, "server_error")
                 yield error_chunk(status, f"decode replica refused the request: {e}", kind)
                 return
-            if reserved is None:
+            # Pages for the prompt: the request waits as TRANSFERRING, never scheduled, its pages never freed,
+            # behind older reservations while the pool is full (granted in the step that frees pages; no timer).
+            num_pages = -(-len(ticket.prompt_token_ids) // self.engine.page_size)
+            reserved = await self.engine.reserve(
+                request_id, functools.partial(_reserve, ticket, num_pages, self.transfer_draft_kv),
+                self.reserve_timeout_s)
+            if "error" in reserved:
+                yield reserved["error"]
+                return
+            if reserved["reserved"] is None:
                 yield error_chunk(503, "no decode KV pages free", "overloaded")
                 return
-            tables, reused = reserved
+            tables, reused = reserved["reserved"]
             stats: dict = {}
             # The transfer runs to its end even if this stream is cancelled (only then may the pages be freed):
             # on the transfers loop, outside this call's Ray task (see ``detached``).
@@ -446,13 +407,11 @@ class DecodeReplica(EngineReplica):
             started = True
         finally:
             if not started:
-                # Refused, or cancelled before the READ began (a reserve may still be queued on the engine
+                # Refused, or cancelled before the READ began (a reservation may still be queued on the engine
                 # thread: this command runs after it). No READ touches these pages: free them here.
-                self.loop.close_stream(request_id)
+                self.engine.close_stream(request_id)
                 ticket.cancel()
-                self.loop.submit(lambda e: (self._reservations.forget(request_id),
-                                            e.finish_transfer(request_id, False) if request_id in e.requests
-                                            else None))
+                self.engine.cancel_reservation(request_id)
         async for chunk in self._stream(request_id, queue, transfer=stats):
             yield chunk
 
@@ -486,14 +445,12 @@ class DecodeReplica(EngineReplica):
                              transport="+".join(sorted({r["transport"] for r in reads})))
         finally:
             self.num_awaiting_transfer -= 1
-        landed, draft = error is None, self.transfer_draft_kv
-
-        def finish(engine):
-            out = engine.finish_transfer(request_id, landed, draft_context=draft)
-            # Delivered from the engine thread, so it precedes this request's next step's output.
-            self.loop.deliver([(request_id, out if landed else _transfer_failure(ticket, error))])
-
-        await self.loop.call(finish)
+        landed = error is None
+        try:
+            await self.engine.finish_transfer(request_id, landed, self.transfer_draft_kv,
+                                              None if landed else _transfer_failure(ticket, error))
+        except EngineStopped:       # the replica stopped: its streams already ended
+            pass
 
     def shutdown(self) -> None:
         super().shutdown()
@@ -508,14 +465,6 @@ class DecodeReplica(EngineReplica):
 def _transfer_failure(ticket: Ticket, error: BaseException) -> TransferError:
     cause = error.args[0] if isinstance(error, TransferError) and error.args else f"{type(error).__name__}: {error}"
     return TransferError(f"request {ticket.request_id}: KV transfer from {ticket.peer_agents[0]} failed: {cause}")
-
-
-def _error_from(e: BaseException) -> dict:
-    if isinstance(e, EngineStopped):
-        return error_chunk(503, str(e), "unavailable")
-    if isinstance(e, TransferError):
-        return error_chunk(500, str(e), "transfer_error")
-    return error_chunk(500, f"engine step failed: {type(e).__name__}: {e}")
 
 
 class ChunkError(RuntimeError):

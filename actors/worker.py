@@ -1,9 +1,9 @@
 """Per rank: the model shard and its engine, over the pool segments the rank's KV manager created.
 
-A replica drives its ranks: rank 0's worker lives in the replica's own process (its engine thread streams
-tokens to the replica's event loop with no hop in between and owns the scheduler); ranks > 0 of a
-tensor-parallel group are Ray actors on the replica's node (its placement group) that run, in a thread of
-their own, each forward rank 0 broadcasts over the group's process group (``engine.parallel``).
+A replica drives its ranks, each a Ray actor on the replica's node (its placement group): rank 0 is an
+``actors.engine_host.EngineHost``, which owns the scheduler, steps the engine in a thread of its own and streams
+each step's outputs to the replica's process in one message; ranks > 0 of a tensor-parallel group run, in a thread
+of their own, each forward rank 0 broadcasts over the group's process group (``engine.parallel``).
 """
 
 from __future__ import annotations
@@ -168,8 +168,8 @@ class RankGroup:
         self.kv_managers = []
         self.rank_infos: list[str] = []
         self.remote_ranks: list = []        # RankWorker actors of ranks 1..tp_size-1
+        gpu = torch.device(config.device).type == "cuda"
         if transfers:
-            gpu = torch.device(config.device).type == "cuda"
             for tp_rank in range(tp_size):
                 self.kv_managers.append(ray.remote(KVManagerActor).options(
                     name=self.agent_name(tp_rank), namespace=KV_MANAGER_NAMESPACE, num_cpus=0,
@@ -178,55 +178,56 @@ class RankGroup:
                 ).remote(self.agent_name(tp_rank), device=config.device, tp_size=tp_size, tp_rank=tp_rank,
                          hold_timeout_s=hold_timeout_s, num_threads=num_threads, read_delay_s=read_delay_s,
                          transport=kv_transport))
-        address = None
-        if tp_size > 1:
-            address = _free_address()
-            gpu = torch.device(config.device).type == "cuda"
-            for tp_rank in range(1, tp_size):
-                self.remote_ranks.append(ray.remote(RankWorker).options(
-                    name=f"{self.agent_name(tp_rank)}-worker", namespace=KV_MANAGER_NAMESPACE, num_cpus=0,
-                    num_gpus=1 - KV_MANAGER_GPU_SHARE if gpu else 0, scheduling_strategy=_beside_me(tp_rank),
-                    max_restarts=0,
-                ).remote(config, self.kv_managers[tp_rank] if transfers else None, num_threads=num_threads,
-                         tp_size=tp_size, tp_rank=tp_rank, tp_address=address))
+        from actors.engine_host import EngineClient, EngineHost
+
+        address = _free_address() if tp_size > 1 else None
+        for tp_rank in range(1, tp_size):
+            self.remote_ranks.append(ray.remote(RankWorker).options(
+                name=f"{self.agent_name(tp_rank)}-worker", namespace=KV_MANAGER_NAMESPACE, num_cpus=0,
+                num_gpus=1 - KV_MANAGER_GPU_SHARE if gpu else 0, scheduling_strategy=_beside_me(tp_rank),
+                max_restarts=0,
+            ).remote(config, self.kv_managers[tp_rank] if transfers else None, num_threads=num_threads,
+                     tp_size=tp_size, tp_rank=tp_rank, tp_address=address))
+        # Rank 0 in a process of its own, on the replica's GPU share (less its KV manager's): the replica's process
+        # keeps the per-request streaming, the engine's keeps the interpreter to itself.
+        self.host = ray.remote(EngineHost).options(
+            name=f"{self.agent_name(0)}-worker", namespace=KV_MANAGER_NAMESPACE, num_cpus=0,
+            num_gpus=_rank0_gpu_share(transfers) if gpu else 0, scheduling_strategy=_beside_me(0), max_restarts=0,
+        ).remote(config, self.kv_managers[0] if transfers else None, num_threads=num_threads, tp_size=tp_size,
+                 tp_address=address)
         try:
-            # Under TP this joins the process group (every rank must be starting) and loads rank 0's shard.
-            self.workers = [RankWorker(config, self.kv_managers[0] if transfers else None, num_threads=num_threads,
-                                       tp_size=tp_size, tp_address=address)]
-            ray.get([rank.ready.remote() for rank in self.remote_ranks])
+            # Under TP rank 0 joins the process group (every rank must be starting) and loads its shard.
+            ray.get([rank.ready.remote() for rank in [self.host, *self.remote_ranks]])
         except BaseException:
-            for rank in self.remote_ranks:
+            for rank in [self.host, *self.remote_ranks]:
                 ray.kill(rank)
             raise
+        self.engine = EngineClient(self.host)
+        self.engine.connect()
         if transfers:
             # Every rank's pools hold as many heads per layer (its share), so rank 0's specs describe them all.
-            specs, page_size, num_pages, total_kv_heads = self.workers[0].pool_specs()
+            specs, page_size, num_pages, total_kv_heads = ray.get(self.host.pool_specs.remote())
             self.rank_infos = ray.get([kvm.attach.remote(specs, page_size, num_pages, total_kv_heads)
                                        for kvm in self.kv_managers])
 
     def agent_name(self, tp_rank: int) -> str:
         return f"{self.name}-rank{tp_rank}"
 
-    @property
-    def worker(self) -> RankWorker:
-        return self.workers[0]
-
     def health_problems(self, timeout_s: float = HEALTH_PING_TIMEOUT_S) -> list[RankProblem]:
         """Why a rank cannot serve (empty when every rank can): its engine thread stopped, or its KV manager or
         worker is dead or does not answer within ``timeout_s`` (a busy one may answer later: not ``fatal``)."""
         import ray
 
-        problems = [RankProblem(r, "the engine loop has stopped", True)
-                    for r, w in enumerate(self.workers) if not w.loop.alive]
+        problems = [] if self.engine.alive else [RankProblem(0, "its engine output stream ended", True)]
         pings = [kvm.ping.remote() for kvm in self.kv_managers]
-        followers = [rank.problem.remote() for rank in self.remote_ranks]
+        workers = [rank.problem.remote() for rank in [self.host, *self.remote_ranks]]
         for rank, ping in enumerate(pings):
             try:
                 ray.get(ping, timeout=timeout_s)
             except Exception as e:
                 problems.append(RankProblem(rank, f"its KV manager does not answer ({type(e).__name__})",
                                             isinstance(e, ray.exceptions.ActorDiedError)))
-        for rank, ref in enumerate(followers, start=1):
+        for rank, ref in enumerate(workers):
             try:
                 problem = ray.get(ref, timeout=timeout_s)
                 if problem:
@@ -240,15 +241,16 @@ class RankGroup:
         """Pages in use on every rank's pool (ranks > 0 allocate none: rank 0's block tables drive them)."""
         import ray
 
-        return [self.worker.loop.submit(lambda e: e.kv.pages_in_use()).result(timeout=30)] + \
-            ray.get([rank.pages_in_use.remote() for rank in self.remote_ranks])
+        return ray.get([rank.pages_in_use.remote() for rank in [self.host, *self.remote_ranks]], timeout=30)
 
     def shutdown(self) -> None:
         import ray
 
-        for worker in self.workers:
-            worker.shutdown()
-        for rank in self.remote_ranks:
+        try:
+            ray.get(self.host.shutdown.remote(), timeout=10)
+        except Exception:       # already dead
+            pass
+        for rank in [self.host, *self.remote_ranks]:
             # Killed, not told to stop: a rank > 0 waits for rank 0's next message, which never comes.
             ray.kill(rank)
         for kvm in self.kv_managers:
@@ -270,6 +272,15 @@ def _beside_me(tp_rank: int = 0):
     if pg is not None:
         return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=min(tp_rank, pg.bundle_count - 1))
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def _rank0_gpu_share(transfers: bool) -> float:
+    """Rank 0's share of its GPU: its placement-group bundle's (one GPU without a group), less its KV manager's."""
+    from ray.util import get_current_placement_group
+
+    pg = get_current_placement_group()
+    share = pg.bundle_specs[0].get("GPU", 0) if pg is not None else 1
+    return share - KV_MANAGER_GPU_SHARE if transfers else share
 
 
 def _free_address() -> tuple[str, int]:

@@ -32,7 +32,7 @@ DEMO = REPO / "models" / "demo"
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,",
            "List three prime numbers:", "The quick brown fox", "import numpy as np\n"]
 LAYOUTS = {"fp8-bf16": ("fp8", "bf16"), "bf16-bf16": ("bf16", "bf16")}
-# Counted from actors/replica.py and actors/kv_manager.py as they are.
+# Counted from actors/replica.py, actors/engine_host.py and actors/kv_manager.py as they are.
 RAY_CALLS_DETAIL = (
     "per transferred request, in the transfer: 3 Ray calls. The decode replica calls its KV manager's read "
     "(awaited); read calls the prefill KV manager's begin_read (awaited, before the NIXL READ is posted) and, "
@@ -40,8 +40,9 @@ RAY_CALLS_DETAIL = (
     "'seconds' and the begin_read round trip as 'lease_seconds'. Around the transfer (not counted): "
     "driver -> prefill replica prefill, prefill replica -> its KV manager hold (sent, not awaited), driver -> decode replica "
     "decode (a streaming call whose chunks return as generator items), the prefill replica's pending "
-    "wait_released returning (then re-issued), and register_peer once per new prefill peer. "
-    "No Ray call per decode step.")
+    "wait_released returning (then re-issued), and register_peer once per new prefill peer; each replica's "
+    "commands to its engine process (prefill: start, release; decode: reserve, finish_transfer). "
+    "One Ray stream item per engine step from each engine process to its replica, whatever the batch.")
 
 
 def ms(seconds: float) -> float:

@@ -8,14 +8,13 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from actors.worker import KV_MANAGER_GPU_SHARE
 from serve_app.config import DeploymentSettings, ServiceConfig, parse_service_config
 
 DEFAULT_APP_NAME = "dflash"
 
 
-def _engine_options(settings: DeploymentSettings, service: ServiceConfig, transfer: bool,
-                    tp_size: int = 1, prefix_affinity: bool = False) -> dict[str, Any]:
+def _engine_options(settings: DeploymentSettings, service: ServiceConfig, tp_size: int = 1,
+                    prefix_affinity: bool = False) -> dict[str, Any]:
     options = settings.serve_options()
     if prefix_affinity:
         # Replicas that compute prompts keep a prefix cache: prompts that begin alike go to the same one.
@@ -24,13 +23,14 @@ def _engine_options(settings: DeploymentSettings, service: ServiceConfig, transf
         from serve_app.routing import PrefixAffinityRouter
 
         options["request_router_config"] = RequestRouterConfig(request_router_class=PrefixAffinityRouter)
-    if (transfer or tp_size > 1) and settings.num_gpus > 0:
-        # The replica and its KVManagerActor share one bundle (one GPU): the pool lives on that GPU. Each further
-        # tensor-parallel rank (and its KV manager) gets a bundle with a GPU of its own on the same node.
+    if settings.num_gpus > 0:
+        # The replica's process only streams; its rank 0 engine (``actors.engine_host``) and, when pages move, its
+        # KVManagerActor share its bundle's GPU (the pool lives on it). Each further tensor-parallel rank (and its
+        # KV manager) gets a bundle with a GPU of its own on the same node.
         options["placement_group_bundles"] = [{"CPU": settings.num_cpus, "GPU": settings.num_gpus}] + \
             [{"GPU": 1}] * (tp_size - 1)
         options["placement_group_strategy"] = "STRICT_PACK"
-        options["ray_actor_options"]["num_gpus"] = settings.num_gpus - KV_MANAGER_GPU_SHARE
+        options["ray_actor_options"]["num_gpus"] = 0
     options["ray_actor_options"]["runtime_env"] = {"env_vars": {
         "OMP_NUM_THREADS": str(service.model.num_threads), "TOKENIZERS_PARALLELISM": "false"}}
     # Streams outlive Serve's default graceful-shutdown wait; let replicas finish them when scaling down.
@@ -52,16 +52,15 @@ def build_service(service: ServiceConfig) -> Application:
         num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000).bind()
     if service.mode == "aggregated":
         backends = {"aggregated": serve.deployment(AggregatedServer, name="AggregatedServer").options(
-            **_engine_options(service.aggregated, service, transfer=False,
-                              tp_size=service.tp_size("aggregated"), prefix_affinity=True)).bind(args, hub)}
+            **_engine_options(service.aggregated, service, tp_size=service.tp_size("aggregated"),
+                              prefix_affinity=True)).bind(args, hub)}
     else:
         backends = {
             "prefill": serve.deployment(PrefillServer, name="PrefillServer").options(
-                **_engine_options(service.prefill, service, transfer=True,
-                                  tp_size=service.tp_size("prefill"), prefix_affinity=True)).bind(args, hub),
+                **_engine_options(service.prefill, service, tp_size=service.tp_size("prefill"),
+                                  prefix_affinity=True)).bind(args, hub),
             "decode": serve.deployment(DecodeServer, name="DecodeServer").options(
-                **_engine_options(service.decode, service, transfer=True,
-                                  tp_size=service.tp_size("decode"))).bind(args, hub),
+                **_engine_options(service.decode, service, tp_size=service.tp_size("decode"))).bind(args, hub),
         }
     return serve.deployment(Ingress, name="Ingress").options(**ingress_options).bind(args, hub, **backends)
 

@@ -264,12 +264,8 @@ class ServiceMetrics:
         return generate_latest(merged) + generate_latest(self.replica_registry)
 
 
-def engine_snapshot(engine, role: str, interval_s: float, num_awaiting_transfer: int = 0) -> dict:
-    """What a replica reports (run on its engine thread): batch sizes and pages per pool and owner."""
-    kv = engine.kv
-    pools = []
-    for i, pool in enumerate(kv.pools):
-        owners = "+".join(o for o in ("target", "draft") if any(s.owner.value == o for s in pool.specs))
-        pools.append({"pool": i, "owner": owners, "in_use": kv.pages_in_use(i), "total": pool.num_pages})
-    return {"role": role, "healthy": True, "interval_s": interval_s, "running": len(engine.scheduler.running),
-            "waiting": len(engine.scheduler.waiting) + num_awaiting_transfer, "pools": pools}
+def engine_snapshot(gauges: dict, role: str, interval_s: float, num_awaiting_transfer: int = 0) -> dict:
+    """What a replica reports: its engine's gauges (``EngineHost.gauges``: batch sizes, pages per pool and owner),
+    with requests awaiting a transfer counted as waiting."""
+    return {"role": role, "healthy": True, "interval_s": interval_s, "running": gauges["running"],
+            "waiting": gauges["waiting"] + num_awaiting_transfer, "pools": gauges["pools"]}

@@ -44,8 +44,8 @@ class _Served:
                     # A rank slow to answer (a loaded host) is no reason to turn /health red: it serves on.
                     if problems:
                         log.warning("%s: a rank is slow to answer: %s", self.replica_id, "; ".join(map(str, problems)))
-                    snap = self.loop.submit(lambda e: engine_snapshot(e, self.role, interval, awaiting)
-                                            ).result(timeout=10)
+                    gauges = self.group.host.gauges.remote().future().result(timeout=10)
+                    snap = engine_snapshot(gauges, self.role, interval, awaiting)
                 self._hub.report(self.replica_id, snap)
             except Exception:      # a missed report only ages the gauges; keep the replica serving
                 if self._closed.is_set():      # shut down while reporting: the engine loop is gone, as meant

@@ -393,4 +393,5 @@ def test_replica_processes_freeze_their_startup_heap(tiny):
     """The model, its pools and the libraries live as long as the process: frozen after start-up, so that the
     collector's full passes (tens of ms, the engine thread stopped) walk only what serving allocates."""
     for replica in (tiny.agg, tiny.prefill, tiny.decode):
-        assert ray.get(replica.handle.gc_frozen.remote()) > 50_000
+        frozen = ray.get(replica.handle.gc_frozen.remote())
+        assert frozen["replica"] > 50_000 and frozen["engine"] > 50_000, frozen

@@ -142,12 +142,19 @@ def test_a_gpu_replica_needs_a_share_of_a_gpu_beyond_its_kv_managers(mode, role,
             parse_service_config(data)
 
 
-def test_the_gpu_options_give_the_kv_manager_its_share_of_the_replicas_bundle():
+def test_the_gpu_options_leave_the_replicas_bundle_to_its_engine_and_kv_manager():
     from serve_app.app import _engine_options
 
     service, _ = load_config_file(CONFIGS / "disagg_1gpu.yaml")
-    options = _engine_options(service.decode, service, transfer=True)
-    # The replica and its KV manager in one bundle of half a GPU: Ray gives both the same device.
-    assert options["placement_group_bundles"] == [{"CPU": 2, "GPU": 0.5}]
-    assert options["placement_group_strategy"] == "STRICT_PACK"
-    assert options["ray_actor_options"]["num_gpus"] == pytest.approx(0.4)
+    for settings in (service.prefill, service.decode):
+        options = _engine_options(settings, service)
+        # One bundle of half a GPU: the replica's process takes none of it, its rank-0 engine and its KV manager
+        # share it (``actors.worker._rank0_gpu_share``), so Ray gives both the same device.
+        assert options["placement_group_bundles"] == [{"CPU": 2, "GPU": 0.5}]
+        assert options["placement_group_strategy"] == "STRICT_PACK"
+        assert options["ray_actor_options"]["num_gpus"] == 0
+    aggregated = parse_service_config({"mode": "aggregated", "model": {"device": "cuda"},
+                                       "aggregated": {"num_gpus": 1}})
+    options = _engine_options(aggregated.aggregated, aggregated, tp_size=2)
+    assert options["placement_group_bundles"] == [{"CPU": aggregated.aggregated.num_cpus, "GPU": 1}, {"GPU": 1}]
+    assert options["ray_actor_options"]["num_gpus"] == 0

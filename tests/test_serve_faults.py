@@ -54,17 +54,18 @@ def server(ray_cluster, tmp_path_factory):
 
 def alive_actor(role: str, kind: str) -> tuple[str, int]:
     """(name, pid) of the live actor of ``role`` ("prefill"/"decode") and ``kind`` ("replica"/"kv_manager"/
-    "follower": the worker of rank 1).
+    "engine": the worker of rank 0, the engine's process/"follower": the worker of rank 1).
 
     Serve names its replica actors ``SERVE_REPLICA::<app>#<deployment>#<id>``; KV managers are named
-    ``<role>-<id>-rank<r>``, workers of ranks > 0 ``<role>-<id>-rank<r>-worker``."""
+    ``<role>-<id>-rank<r>``, rank workers ``<role>-<id>-rank<r>-worker``."""
     import ray
 
     server_class = {"prefill": "PrefillServer", "decode": "DecodeServer"}[role]
     found = []
     for actor in ray.util.list_named_actors(all_namespaces=True):
         name = actor["name"]
-        pattern = {"kv_manager": rf"{role}-[0-9a-f]{{8}}-rank0", "follower": rf"{role}-[0-9a-f]{{8}}-rank1-worker"}
+        pattern = {"kv_manager": rf"{role}-[0-9a-f]{{8}}-rank0", "engine": rf"{role}-[0-9a-f]{{8}}-rank0-worker",
+                   "follower": rf"{role}-[0-9a-f]{{8}}-rank1-worker"}
         if (name.startswith("SERVE_REPLICA::") and f"#{server_class}#" in name) if kind == "replica" else \
                 re.fullmatch(pattern[kind], name):
             handle = ray.get_actor(name, namespace=actor["namespace"])
@@ -150,8 +151,9 @@ def test_metrics_of_any_ingress_count_the_requests_of_every_ingress(server):
         assert finished(httpx.get(f"{server}/metrics", timeout=30).text) == before + 16
 
 
-@pytest.mark.parametrize("role,kind", [("decode", "replica"), ("decode", "follower"), ("decode", "kv_manager"),
-                                       ("prefill", "replica"), ("prefill", "kv_manager")])
+@pytest.mark.parametrize("role,kind", [("decode", "replica"), ("decode", "engine"), ("decode", "follower"),
+                                       ("decode", "kv_manager"), ("prefill", "replica"), ("prefill", "engine"),
+                                       ("prefill", "kv_manager")])
 def test_killed_process_is_replaced_and_service_recovers(server, role, kind):
     wait_healthy(server)
     victim = alive_actor(role, kind)

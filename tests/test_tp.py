@@ -1,4 +1,4 @@
-"""Tensor parallelism inside an aggregated replica: rank 0 in the replica's process, rank 1 a Ray actor, both
+"""Tensor parallelism inside an aggregated replica: rank 0 and rank 1 Ray actors beside the replica, both
 stepping in lockstep over a gloo process group. Float32 greedy output must not depend on the TP size."""
 
 import asyncio
@@ -58,7 +58,7 @@ def test_tp2_greedy_output_and_acceptance_equal_tp1(demo_pair, demo_ids):
     # A 64-token budget splits the longer prompts into prefill chunks next to decode rows.
     tp1, tp2 = (tokens_and_acceptance(generate(demo_pair[tp], demo_ids)) for tp in (1, 2))
     assert tp2 == tp1
-    if demo_pair[1].engine.speculator is not None:
+    if demo_pair[1].config.draft is not None:
         # Acceptance that means something: the per-step comparison above would pass trivially at AL 1.
         steps = [al for _, als in tp1 for al in als]
         assert sum(steps) / len(steps) > 1.5
@@ -74,30 +74,40 @@ def test_a_rank_slow_to_answer_fails_a_health_check_but_does_not_stop_the_replic
     problems = replica.group.health_problems(timeout_s=0.5)
     assert [(p.rank, p.fatal) for p in problems] == [(1, False)], problems
     replica.lost_rank(problems)
-    assert not replica.loop.failed and replica.loop.alive
+    assert not replica.engine.failed and replica.engine.alive
     ray.get(busy)
     assert replica.group.health_problems() == []
     assert tokens_and_acceptance(generate(replica, demo_ids[:1])) == \
         tokens_and_acceptance(generate(demo_pair[1], demo_ids[:1]))
 
 
+def _rank0_shapes(engine):
+    """In rank 0's engine process: the shapes that say what it holds of the model and of the kv heads."""
+    m, c = engine.model, engine.model.config
+    return {"config": (c.vocab_size, c.hidden_size, c.intermediate_size), "embed": tuple(m.embed_tokens.shape),
+            "qkv_rows": m.layers[0].qkv.shape[0], "down": tuple(m.layers[0].down.shape),
+            "kv_heads": {spec.num_kv_heads for spec in engine.kv.pools[0].specs},
+            "pages": [p.num_pages for p in engine.kv.pools]}
+
+
 def test_each_rank_holds_its_shard_and_its_kv_heads(demo_pair):
-    one, two = demo_pair[1].engine, demo_pair[2].engine
-    c = one.model.config
-    assert two.model.embed_tokens.shape == (c.vocab_size // 2, c.hidden_size)
-    assert two.model.layers[0].qkv.shape[0] == one.model.layers[0].qkv.shape[0] // 2
-    assert two.model.layers[0].down.shape == (c.hidden_size, c.intermediate_size // 2)
+    one, two = (ray.get(demo_pair[tp].group.host.__ray_call__.remote(lambda host: _rank0_shapes(host.engine)))
+                for tp in (1, 2))
+    vocab, hidden, intermediate = one["config"]
+    assert two["embed"] == (vocab // 2, hidden)
+    assert two["qkv_rows"] == one["qkv_rows"] // 2
+    assert two["down"] == (hidden, intermediate // 2)
     # Rank 0's unified pool: 1 of the 2 kv heads per layer, target and draft layers alike, and as many pages.
-    assert {spec.num_kv_heads for spec in two.kv.pools[0].specs} == {1}
-    assert {spec.num_kv_heads for spec in one.kv.pools[0].specs} == {2}
-    assert [p.num_pages for p in two.kv.pools] == [p.num_pages for p in one.kv.pools]
+    assert two["kv_heads"] == {1} and one["kv_heads"] == {2}
+    assert two["pages"] == one["pages"]
 
 
-def test_an_idle_follower_rank_uses_no_cpu(demo_pair):
-    """Rank 1 waits for rank 0's next message in a blocking read, not a poll. Ray's own threads in any worker
-    process tick now and then (about 2% of a core on a loaded box): measured beside an idle Ray actor's process
-    over the same window, the follower must cost no more than it (a poll with even a 1 ms sleep costs more)."""
-    rank = demo_pair[2].group.remote_ranks[0]
+def test_idle_rank_processes_use_no_cpu(demo_pair):
+    """Rank 0's engine process waits for its next command, and rank 1 for rank 0's next message, in blocking reads,
+    not polls. Ray's own threads in any worker process tick now and then (about 2% of a core on a loaded box):
+    measured beside an idle Ray actor's process over the same window, neither may cost more than it (a poll with
+    even a 1 ms sleep costs more)."""
+    group = demo_pair[2].group
 
     @ray.remote(num_cpus=0)
     class Idle:
@@ -105,7 +115,8 @@ def test_an_idle_follower_rank_uses_no_cpu(demo_pair):
             return os.getpid()
 
     idle = Idle.remote()
-    pids = [ray.get(rank.__ray_call__.remote(lambda self: os.getpid())), ray.get(idle.pid.remote())]
+    pids = [ray.get(rank.__ray_call__.remote(lambda self: os.getpid())) for rank in (group.host, *group.remote_ranks)]
+    pids.append(ray.get(idle.pid.remote()))
 
     def cpu_seconds(pid):
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -114,9 +125,9 @@ def test_an_idle_follower_rank_uses_no_cpu(demo_pair):
     time.sleep(1)
     before, start = [cpu_seconds(pid) for pid in pids], time.monotonic()
     time.sleep(5)
-    follower, baseline = [(cpu_seconds(pid) - b) / (time.monotonic() - start) for pid, b in zip(pids, before)]
+    *ranks, baseline = [(cpu_seconds(pid) - b) / (time.monotonic() - start) for pid, b in zip(pids, before)]
     ray.kill(idle)
-    assert follower < 0.05 and follower - baseline < 0.01, (follower, baseline)
+    assert len(ranks) == 2 and all(r < 0.05 and r - baseline < 0.01 for r in ranks), (ranks, baseline)
 
 
 def test_kv_heads_fewer_than_ranks_are_replicated(ray_cluster, tmp_path):
@@ -130,7 +141,7 @@ def test_kv_heads_fewer_than_ranks_are_replicated(ray_cluster, tmp_path):
         replica = AggregatedReplica(config, tp_size=tp)
         try:
             outputs[tp] = tokens_and_acceptance(generate(replica, prompts, max_tokens=16))
-            assert {spec.num_kv_heads for spec in replica.engine.kv.pools[0].specs} == {1}
+            assert ray.get(replica.group.host.kv_head_counts.remote())[0] == {1}
             assert replica.group.pages_in_use_per_rank() == [0] * tp
         finally:
             replica.shutdown()
