@@ -68,15 +68,14 @@ class RankWorker:
 
     def __init__(self, config: EngineConfig, kv_manager=None, *, num_threads: int = 1, tp_size: int = 1,
                  tp_rank: int = 0, tp_address: tuple[str, int] | None = None):
-        import ray
-
         torch.set_num_threads(num_threads)
         self.config = config
         self.tp_rank = tp_rank
         allocate = None
         if kv_manager is not None:
-            # Every pool buffer is a segment the KV manager created; the engine sees plain tensors over it.
-            allocate = lambda n: map_segment(ray.get(kv_manager.create_segment.remote(n)))  # noqa: E731
+            # Every pool buffer is a segment the KV manager created; the engine sees plain tensors over it. (Waited
+            # for through a future: rank 0 is built in an async actor, where ray.get warns of blocking its loop.)
+            allocate = lambda n: map_segment(kv_manager.create_segment.remote(n).future().result())  # noqa: E731
         tp = TensorParallel.connect(tp_rank, tp_size, *tp_address, device=config.device) if tp_size > 1 else None
         self.engine = build_engine(config, allocate, tp)
         freeze_heap()
