@@ -1,9 +1,9 @@
 """The aggregated, prefill and decode replicas: the one implementation behind the Serve deployments and the
 offline ``dflash-serve generate --mode agg|disagg`` alike.
 
-A replica drives its rank group (``actors.worker``) and speaks in chunks: plain dicts that cross Ray and
-Serve (``token_chunk``: new token ids and the text that became final, the last one with the finish
-reason and speculative statistics; ``error_chunk``: status, message, type). A disaggregated request is a
+A replica drives its rank group (``actors.worker``; rank 0's engine in a process of its own, reached through
+``actors.engine_host.EngineClient``) and speaks in chunks (``actors.chunks``): plain dicts that cross Ray and
+Serve. A disaggregated request is a
 prefill (the whole prompt, in as many steps as it takes, first token sampled, pages held under a lease)
 then a decode: the decode replica reserves pages, its KV manager READs the prefill pages under that
 lease, and the engine starts decoding the request in the step after the READ ends.
@@ -24,7 +24,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from actors.chunks import error_chunk, error_from, merge_chunks, token_chunk
+from actors.chunks import error_chunk, merge_chunks
 from actors.engine_host import detached
 from actors.engine_loop import EngineStopped
 from actors.nixl_transfer import TransferError
@@ -34,10 +34,6 @@ from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sequence import SamplingParams, SpecStats, TokenLogprob
 
 log = logging.getLogger(__name__)
-
-__all__ = ["AggregatedReplica", "PrefillReplica", "DecodeReplica", "Ticket", "collect", "token_chunk",
-           "error_chunk", "merge_chunks"]
-
 
 @dataclasses.dataclass(frozen=True)
 class Ticket:
@@ -207,6 +203,7 @@ class EngineReplica:
 
     def shutdown(self) -> None:
         self.group.shutdown()
+        gc.unfreeze()       # a process that goes on (a test run, a notebook) must collect what this replica held
 
 
 class AggregatedReplica(EngineReplica):
