@@ -327,17 +327,17 @@ class PrefillReplica(EngineReplica):
             kvm.hold.remote(request_id, lease, self.hold_timeout_s)
 
 
-def _reserve(ticket: "Ticket", num_pages: int, reuse_prefix: bool, e: LLMEngine):
-    """On the decode engine's thread: the ticket's pages per space and how many leading ones are reused, or None
+def _reserve(request_id: str, prompt_token_ids: list[int], first_token: int, params: SamplingParams,
+             first_logprob: TokenLogprob | None, num_pages: int, reuse_prefix: bool, e: LLMEngine):
+    """On the decode engine's thread: the prompt's pages per space and how many leading ones are reused, or None
     while the pool lacks pages."""
-    request = e.reserve_transfer(ticket.prompt_token_ids, ticket.first_token, ticket.params,
-                                 request_id=ticket.request_id, first_logprob=ticket.first_logprob,
-                                 reuse_prefix=reuse_prefix)
+    request = e.reserve_transfer(prompt_token_ids, first_token, params, request_id=request_id,
+                                 first_logprob=first_logprob, reuse_prefix=reuse_prefix)
     if request is None:
         return None
     # A rank > 0 may still run a forward that writes these pages for the request that held them last.
     e.sync_ranks()
-    return ([e.kv.block_table(ticket.request_id, s)[:num_pages] for s in range(len(e.kv.pools))],
+    return ([e.kv.block_table(request_id, s)[:num_pages] for s in range(len(e.kv.pools))],
             request.num_reused_tokens // e.kv.page_size)
 
 
@@ -385,9 +385,9 @@ class DecodeReplica(EngineReplica):
             # Pages for the prompt: the request waits as TRANSFERRING, never scheduled, its pages never freed,
             # behind older reservations while the pool is full (granted in the step that frees pages; no timer).
             num_pages = -(-len(ticket.prompt_token_ids) // self.engine.page_size)
-            reserved = await self.engine.reserve(
-                request_id, functools.partial(_reserve, ticket, num_pages, self.transfer_draft_kv),
-                self.reserve_timeout_s)
+            attempt = functools.partial(_reserve, request_id, ticket.prompt_token_ids, ticket.first_token, ticket.params,
+                                        ticket.first_logprob, num_pages, self.transfer_draft_kv)
+            reserved = await self.engine.reserve(request_id, attempt, self.reserve_timeout_s)
             if "error" in reserved:
                 yield reserved["error"]
                 return
