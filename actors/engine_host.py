@@ -140,10 +140,7 @@ class EngineHost(RankWorker):
 
     async def _reserved(self, request_id: str, waiter: concurrent.futures.Future, timeout_s: float) -> dict:
         try:
-            try:
-                result = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(waiter)), timeout_s)
-            except asyncio.TimeoutError:
-                result = await self.loop.call(lambda _: self._reservations._give_up(request_id, waiter))
+            result = await self._reservations.wait(request_id, waiter, timeout_s)
         except EngineStopped as e:
             return {"error": error_from(e)}
         except Exception as e:

@@ -245,7 +245,10 @@ class ReservationQueue:
         """``attempt``'s first result that is not None, or None once ``timeout_s`` has passed without one. An
         error ``attempt`` raises propagates. A caller cancelled while waiting must ``forget`` the request on the
         loop thread (and undo a grant that came first)."""
-        waiter = self.begin(request_id, attempt)
+        return await self.wait(request_id, self.begin(request_id, attempt), timeout_s)
+
+    async def wait(self, request_id: str, waiter: concurrent.futures.Future, timeout_s: float) -> Any:
+        """``begin``'s result, or None once ``timeout_s`` has passed without one (the request stops waiting)."""
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(waiter)), timeout_s)
         except asyncio.TimeoutError:

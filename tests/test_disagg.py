@@ -256,6 +256,35 @@ def test_a_cancel_during_a_slow_read_frees_after_it_and_others_are_unaffected(sl
     assert [t for c in chunks for t in c["token_ids"]] == solo.token_ids
 
 
+def test_a_reservation_waits_behind_a_full_pool_and_fails_cleanly_after_its_timeout(ray_cluster, tiny_target,
+                                                                                    tiny_drafter):
+    """A decode replica whose pool one request fills (8 pages) while its READ is held open for 3 s: the next
+    request waits for pages in the engine's reservation queue, is refused with a 503 once its reserve timeout
+    (1 s) has passed, and gives its prefill pages back; the first decodes to its end. Nothing stays in use."""
+    prefill = ReplicaActor(PrefillReplica, tiny_config(tiny_target, tiny_drafter))
+    decode = ReplicaActor(DecodeReplica, EngineConfig(model=str(tiny_target), draft=str(tiny_drafter), num_pages=8),
+                          read_delay_s=3.0, reserve_timeout_s=1.0)
+    try:
+        prompts = [[(11 * i + j) % 120 + 1 for j in range(80)] for i in range(2)]      # 5 pages each
+        first, second = [r["ticket"] for r in ray.get([prefill.handle.prefill.remote(*req)
+                                                       for req in requests(prompts, tag="full")])]
+        stream = decode.handle.decode.options(num_returns="streaming").remote(first)
+        kvm = ray.get(prefill.handle.kv_managers.remote())[0]
+        wait_until(lambda: ray.get(kvm.hold_stats.remote())["reading"] == 1, 10)      # held open for 3 s
+        start = time.monotonic()
+        refused = decode_chunks(decode, second)
+        waited = time.monotonic() - start
+        assert [c["type"] for c in refused] == ["error"] and refused[0]["status"] == 503, refused
+        assert refused[0]["message"] == "no decode KV pages free"
+        assert 1.0 <= waited < 3.0, f"refused after {waited:.2f} s, not after its 1 s reserve timeout"
+        chunks = [ray.get(ref) for ref in stream]
+        assert chunks[-1]["finished"] and sum(len(c["token_ids"]) for c in chunks) == 24, chunks[-1]
+        wait_until(lambda: prefill.pages_in_use() == 0 and decode.pages_in_use() == 0)
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
+
+
 def test_failed_transfer_fails_the_request_and_frees_both_sides(tiny):
     """The decode side registers the prefill peer with descriptors that point outside its registered memory
     (as after the peer re-registered its pool): NIXL itself refuses the READ."""
