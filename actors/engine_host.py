@@ -7,16 +7,22 @@ actor of its own on the replica's node and GPU share, and the two talk over two 
 
 - outputs: one streaming actor call, open for the replica's life, that yields once per engine step what that
   step handed over for every request (token chunks, finishing results, errors) as one message;
-- commands (add, abort, release, reserve pages, finish a transfer, fail): actor calls the client numbers and the
+- commands (add, abort, release, take over a prefilled request, fail): actor calls the client numbers and the
   host runs in that order. Ray does not order an async actor's calls (a large argument can hold one back), and an
   abort must never overtake the add it aborts.
+
+A decode replica's take-over runs here, next to the engine: the reservation of pages, the READs (by the ranks' KV
+managers) and the start of decoding cost the replica's process one command, and the first output arrives on the
+request's stream like any other.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextvars
+import dataclasses
 import inspect
 import logging
 import threading
@@ -25,7 +31,8 @@ from typing import Any
 
 from actors.chunks import ends, error_chunk, error_from, token_chunk
 from actors.engine_loop import EngineStopped, ReservationQueue, hand_over, name_native_thread
-from actors.worker import RankWorker
+from actors.nixl_transfer import TransferError
+from actors.worker import RankWorker, kv_manager
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sequence import SamplingParams
 
@@ -39,21 +46,57 @@ def detached(fn, *args):
     return contextvars.Context().run(fn, *args)
 
 
+@dataclasses.dataclass(frozen=True)
+class PrefillPages:
+    """A prefilled request's pages on its prefill replica, held under a lease per prefill rank: what a decode
+    take-over READs, or gives back (the part of ``actors.replica.Ticket`` the engine's process needs)."""
+
+    request_id: str
+    tables: list[list[int]]        # per space: the prefill pages of the prompt (the same ids on every rank)
+    leases: list[str]              # per prefill rank: the lease its KV manager holds the pages under
+    peer_agents: list[str]         # per prefill rank: its NIXL agent, also its KVManagerActor's name
+
+    def cancel(self) -> None:
+        """Give the held pages back now (the request will not be decoded). Safe to call from a request that
+        is being cancelled."""
+        for agent, lease in zip(self.peer_agents, self.leases):
+            try:
+                detached(kv_manager(agent).cancel.remote, lease)
+            except ValueError:      # that KV manager is gone, and its pages with it
+                pass
+
+
 class _Forward:
-    """A request's stream on the host: what the engine loop hands over goes to the outbox, tagged."""
+    """A request's stream on the host: what the engine loop hands over goes to the outbox, tagged; the first output
+    as a chunk with ``first_extra`` in it when that is set (a take-over's transfer statistics)."""
 
     closed = False
+    first_extra: dict | None = None
 
     def __init__(self, request_id: str, outbox: asyncio.Queue):
         self.request_id, self.outbox = request_id, outbox
 
     def put_nowait(self, item) -> None:
+        if self.first_extra is not None and isinstance(item, RequestOutput):
+            item, self.first_extra = token_chunk(item, **self.first_extra), None
         self.outbox.put_nowait((self.request_id, item))
+
+
+@dataclasses.dataclass
+class _TakeOver:
+    """A decode take-over in progress: its stream, its task (held here: the event loop keeps only a weak
+    reference), and whether the replica aborted it."""
+
+    stream: _Forward
+    task: asyncio.Task | None = None
+    cancelled: bool = False
 
 
 def _wire(item) -> Any:
     """What a handed-over item becomes on the way to the replica: a chunk, not the whole RequestOutput (its
-    token lists and text grow with the request); an exception becomes its error chunk."""
+    token lists and text grow with the request); an exception becomes its error chunk; a chunk goes as it is."""
+    if isinstance(item, dict):
+        return item
     if isinstance(item, RequestOutput):
         return token_chunk(item)
     if isinstance(item, tuple):
@@ -65,15 +108,17 @@ class EngineHost(RankWorker):
     """Rank 0 as an actor: builds the engine, steps it in its engine loop thread, runs the replica's numbered
     commands in order and streams the steps' outputs back (``outputs``)."""
 
-    def __init__(self, config, kv_manager=None, **kwargs):
+    def __init__(self, config, kv_manager=None, *, kv_managers: Sequence = (), **kwargs):
         self._build_error: BaseException | None = None
         try:
             super().__init__(config, kv_manager, tp_rank=0, **kwargs)
         except Exception as e:      # told by ``ready`` as itself (a bad config is a ValueError to the replica)
             self._build_error = e
             return
+        self.kv_managers = list(kv_managers)      # every rank's, in rank order: they READ a take-over's pages
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._reservations = ReservationQueue(self.loop)
+        self._taking: dict[str, _TakeOver] = {}
         self._next = 0                                   # the number of the command that runs next
         self._turns: dict[int, asyncio.Future] = {}     # commands that arrived before their turn
 
@@ -107,8 +152,8 @@ class EngineHost(RankWorker):
                 waiting.set_result(None)
         return await pending if inspect.isawaitable(pending) else pending
 
-    def _open(self, request_id: str, on_finish=None) -> None:
-        self.loop.open_stream(request_id, on_finish, queue=_Forward(request_id, self._outbox))
+    def _open(self, request_id: str, on_finish=None) -> _Forward:
+        return self.loop.open_stream(request_id, on_finish, queue=_Forward(request_id, self._outbox))
 
     # --- commands: each hands its work to the engine loop before returning (an awaitable for its result) -------
     def _do_noop(self) -> None:
@@ -130,42 +175,84 @@ class EngineHost(RankWorker):
             return error_chunk(400, str(e), "invalid_request_error") if isinstance(e, ValueError) else error_from(e)
 
     def _do_abort(self, request_id: str) -> None:
-        self.loop.abort(request_id)
+        self.loop.abort(request_id)       # a request whose READ runs keeps its pages until the READ ends
+        taking = self._taking.get(request_id)
+        if taking is not None:            # still waiting for pages: stop waiting; granted: freed, never READ
+            taking.cancelled = True
+            self.loop.submit(lambda _: self._reservations.forget(request_id))
 
     def _do_release(self, request_id: str) -> None:
         self.loop.submit(lambda e: e.release(request_id))
 
-    def _do_reserve(self, request_id: str, attempt: Callable[[LLMEngine], Any], timeout_s: float):
-        return self._reserved(request_id, self._reservations.begin(request_id, attempt), timeout_s)
+    def _do_take_over(self, pages: PrefillPages, attempt: Callable[[LLMEngine], Any], plan: list[list[int]],
+                      draft_context: bool, reserve_timeout_s: float, read_timeout_s: float) -> None:
+        """Decode side: reserve pages for a prefilled request (``attempt``: ``actors.replica._reserve``), have
+        every rank's KV manager READ its KV into them, and start decoding it. Its stream gets the first output,
+        carrying the transfer's statistics, or an error chunk. An abort stops it wherever it is, and its pages
+        are freed only once no READ can write into them."""
+        request_id = pages.request_id
+        taking = self._taking[request_id] = _TakeOver(self._open(request_id))
+        waiter = self._reservations.begin(request_id, attempt)
+        taking.task = asyncio.get_running_loop().create_task(
+            self._take_over(pages, taking, waiter, plan, draft_context, reserve_timeout_s, read_timeout_s),
+            context=contextvars.Context())
 
-    async def _reserved(self, request_id: str, waiter: concurrent.futures.Future, timeout_s: float) -> dict:
+    async def _take_over(self, pages: PrefillPages, taking: _TakeOver, waiter: concurrent.futures.Future,
+                         plan: list[list[int]], draft_context: bool, reserve_timeout_s: float,
+                         read_timeout_s: float) -> None:
+        request_id = pages.request_id
         try:
-            result = await self._reservations.wait(request_id, waiter, timeout_s)
-        except EngineStopped as e:
-            return {"error": error_from(e)}
-        except Exception as e:
-            status, kind = (400, "invalid_request_error") if type(e) is ValueError else (500, "server_error")
-            return {"error": error_chunk(status, f"decode replica refused the request: {e}", kind)}
-        return {"reserved": result}
+            refused = None
+            try:
+                reserved = await self._reservations.wait(request_id, waiter, reserve_timeout_s)
+            except Exception as e:
+                reserved, refused = None, refusal(e)
+            if reserved is None or taking.cancelled:
+                await asyncio.to_thread(pages.cancel)       # nothing READs the prefill pages: give them back
+                if reserved is not None:       # granted as the replica went away: no READ touches these pages
+                    self.loop.submit(lambda e: e.finish_transfer(request_id, False))
+                self.loop.deliver([(request_id, refused or error_chunk(503, "no decode KV pages free", "overloaded"))])
+                return
+            tables, reused = reserved
+            stats, error = await self._read(pages, tables, reused, plan, draft_context, read_timeout_s)
+            taking.stream.first_extra = {"transfer": stats}
 
-    def _do_cancel_reservation(self, request_id: str) -> None:
-        """The replica gave up on a request before its READ began: no READ touches its pages, free them."""
-        def cancel(e: LLMEngine) -> None:
-            self._reservations.forget(request_id)
-            if request_id in e.requests:
-                e.finish_transfer(request_id, False)
+            def finish(e: LLMEngine) -> None:
+                out = e.finish_transfer(request_id, error is None, draft_context=draft_context)
+                # Delivered from the engine thread, so it precedes this request's next step's output.
+                self.loop.deliver([(request_id, out if error is None else _transfer_failure(pages, error))])
 
-        self.loop.submit(cancel)
+            self.loop.submit(finish)
+        except Exception as e:       # a bug here must not leave the request's stream open
+            log.exception("take-over of %s failed", request_id)
+            self.loop.deliver([(request_id, e)])
+        finally:
+            self._taking.pop(request_id, None)
 
-    def _do_finish_transfer(self, request_id: str, landed: bool, draft_context: bool, error: BaseException | None):
-        self._open(request_id)
-
-        def finish(e: LLMEngine) -> None:
-            out = e.finish_transfer(request_id, landed, draft_context=draft_context)
-            # Delivered from the engine thread, so it precedes this request's next step's output.
-            self.loop.deliver([(request_id, out if landed else error)])
-
-        return self.loop.call(finish)
+    async def _read(self, pages: PrefillPages, tables: list[list[int]], reused: int, plan: list[list[int]],
+                    draft_context: bool, timeout_s: float) -> tuple[dict, BaseException | None]:
+        """Every rank READs from the prefill ranks in its ``plan`` at once (equal TP: rank r from rank r) the
+        pages after the ``reused`` leading ones this side already holds; returns once every READ has ended: the
+        transfer's statistics, or the first error."""
+        readers = collections.Counter(source for sources in plan for source in sources)
+        for source, (agent, lease) in enumerate(zip(pages.peer_agents, pages.leases)):
+            if not readers[source]:     # its heads come from another prefill rank holding them too
+                peer = await asyncio.to_thread(kv_manager, agent)
+                detached(peer.cancel.remote, lease)
+        reads = await asyncio.gather(*(
+            kvm.read.remote(pages.leases[source], pages.peer_agents[source], [t[reused:] for t in pages.tables],
+                            [t[reused:] for t in tables], draft_context, timeout_s, readers[source])
+            for kvm, sources in zip(self.kv_managers, plan) for source in sources), return_exceptions=True)
+        error = next((r for r in reads if isinstance(r, BaseException)), None)
+        if error is not None:
+            if len(reads) > 1:
+                # A lease whose other readers ended while one failed before its READ began: give it back now.
+                await asyncio.to_thread(pages.cancel)
+            return {}, error
+        return {"bytes": sum(r["bytes"] for r in reads), "seconds": max(r["seconds"] for r in reads),
+                "lease_seconds": max(r["lease_seconds"] for r in reads),
+                "descriptors": sum(r["descriptors"] for r in reads), "tables": tables, "reused_pages": reused,
+                "transport": "+".join(sorted({r["transport"] for r in reads}))}, None
 
     def _do_fail(self, message: str) -> None:
         self.loop.fail(EngineStopped(message))
@@ -182,11 +269,27 @@ class EngineHost(RankWorker):
 
     async def gauges(self) -> dict:
         """Batch sizes and pages in use per pool (with its owners), for the replica's metrics report."""
-        return await self.loop.call(engine_gauges)
+        gauges = await self.loop.call(engine_gauges)
+        gauges["awaiting_transfer"] = len(self._taking)
+        return gauges
 
     async def kv_head_counts(self) -> list[set[int]]:
         """Per pool, the kv-head counts of its layers on this rank."""
         return await self.loop.call(lambda e: [{s.num_kv_heads for s in pool.specs} for pool in e.kv.pools])
+
+
+def refusal(e: BaseException) -> dict:
+    """The error chunk for a decode take-over refused (bad input, a peer that does not match: 400) or that could not
+    run (503, 500)."""
+    if isinstance(e, EngineStopped):
+        return error_from(e)
+    status, kind = (400, "invalid_request_error") if type(e) is ValueError else (500, "server_error")
+    return error_chunk(status, f"decode replica refused the request: {e}", kind)
+
+
+def _transfer_failure(pages: PrefillPages, error: BaseException) -> TransferError:
+    cause = error.args[0] if isinstance(error, TransferError) and error.args else f"{type(error).__name__}: {error}"
+    return TransferError(f"request {pages.request_id}: KV transfer from {pages.peer_agents[0]} failed: {cause}")
 
 
 def engine_gauges(engine: LLMEngine) -> dict:
@@ -299,27 +402,15 @@ class EngineClient:
         if self._failure is None:
             self._command("release", request_id)
 
-    async def reserve(self, request_id: str, attempt: Callable[[LLMEngine], Any], timeout_s: float) -> dict:
-        """``{"reserved": attempt's first result}`` (None when ``timeout_s`` passed first) or ``{"error": chunk}``;
-        waiting behind older reservations (``ReservationQueue``)."""
+    def take_over(self, pages: PrefillPages, attempt: Callable[[LLMEngine], Any], plan: list[list[int]],
+                  draft_context: bool, reserve_timeout_s: float, read_timeout_s: float) -> dict | None:
+        """Have the host reserve pages for a prefilled request's prompt, READ its KV and start decoding it
+        (``EngineHost._do_take_over``); its stream must be open. None once sent, or the error chunk when the
+        engine has stopped. Nothing to await: its outcome arrives on the stream, and ``abort`` stops it."""
         if self._failure is not None:
-            return {"error": error_from(self._failure)}
-        try:
-            return await self._result(self._command("reserve", request_id, attempt, timeout_s))
-        except EngineStopped as e:
-            return {"error": error_from(e)}
-
-    def cancel_reservation(self, request_id: str) -> None:
-        if self._failure is None:
-            self._command("cancel_reservation", request_id)
-
-    async def finish_transfer(self, request_id: str, landed: bool, draft_context: bool,
-                              error: BaseException | None) -> None:
-        """The READ ended: the request decodes from the next step (its first output arrives on its stream), or,
-        ``landed=False``, its stream gets ``error`` and its pages are freed."""
-        if self._failure is not None:
-            raise self._failure
-        await self._result(self._command("finish_transfer", request_id, landed, draft_context, error))
+            return error_from(self._failure)
+        self._command("take_over", pages, attempt, plan, draft_context, reserve_timeout_s, read_timeout_s)
+        return None
 
     def fail(self, error: EngineStopped) -> None:
         """Stop serving for good: open streams end with ``error`` now, later commands are refused, and the host

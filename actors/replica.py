@@ -22,13 +22,11 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
 
-from actors.chunks import error_chunk, merge_chunks
-from actors.engine_host import detached
+from actors.chunks import merge_chunks
+from actors.engine_host import PrefillPages, refusal
 from actors.engine_loop import EngineStopped
-from actors.nixl_transfer import TransferError
-from actors.worker import KV_MANAGER_NAMESPACE, RankGroup, RankProblem, freeze_heap
+from actors.worker import RankGroup, RankProblem, freeze_heap, kv_manager
 from engine.llm import EngineConfig
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sequence import SamplingParams, SpecStats, TokenLogprob
@@ -81,27 +79,14 @@ class Ticket:
             rest["logprobs"] = chunk["logprobs"][1:]
         return rest
 
+    def pages(self) -> PrefillPages:
+        """What the decode side's engine process needs to READ the prompt's pages or give them back."""
+        return PrefillPages(self.request_id, self.tables, self.leases, self.peer_agents)
+
     def cancel(self) -> None:
         """Give the held pages back now (the request will not be decoded). Safe to call from a request that
         is being cancelled."""
-        for agent, lease in zip(self.peer_agents, self.leases):
-            try:
-                detached(kv_manager(agent).cancel.remote, lease)
-            except ValueError:      # that KV manager is gone, and its pages with it
-                pass
-
-
-_kv_managers: dict[str, Any] = {}
-
-
-def kv_manager(agent: str):
-    """The KVManagerActor named ``agent`` (looked up once per process: tickets carry names, not handles,
-    because a handle in a reply costs a registration with its owner)."""
-    import ray
-
-    if agent not in _kv_managers:
-        _kv_managers[agent] = ray.get_actor(agent, namespace=KV_MANAGER_NAMESPACE)
-    return _kv_managers[agent]
+        self.pages().cancel()
 
 
 class EngineReplica:
@@ -342,7 +327,8 @@ def _reserve(request_id: str, prompt_token_ids: list[int], first_token: int, par
 
 
 class DecodeReplica(EngineReplica):
-    """Takes over prefilled requests: checks the peer, reserves pages, READs them with NIXL, streams DFlash."""
+    """Takes over prefilled requests: checks the peer, then its engine's process reserves pages, READs them with
+    NIXL and streams DFlash (``EngineHost._do_take_over``)."""
 
     role = "decode"
     transfers = True
@@ -351,10 +337,6 @@ class DecodeReplica(EngineReplica):
         super().__init__(config, **kwargs)
         # Per prefill replica (its rank 0's agent): per decode rank, the prefill ranks it READs from.
         self._plans: dict[str, list[list[int]]] = {}
-        self.num_awaiting_transfer = 0
-        # Transfers run on an event loop of their own thread.
-        self._transfers = asyncio.new_event_loop()
-        threading.Thread(target=self._transfers.run_forever, name="transfers", daemon=True).start()
 
     async def _connect(self, ticket: Ticket) -> list[list[int]]:
         """Per decode rank, the prefill ranks it READs from (every decode rank registers every prefill rank once
@@ -371,97 +353,39 @@ class DecodeReplica(EngineReplica):
         return plan
 
     async def decode(self, ticket: Ticket) -> AsyncIterator[dict]:
-        """Move the ticket's KV here and stream the rest of its tokens (the first chunk carries ``transfer``)."""
+        """Move the ticket's KV here and stream the rest of its tokens (the first chunk carries ``transfer``).
+        The request waits for pages as TRANSFERRING, never scheduled and its pages never freed, behind older
+        reservations while the pool is full (granted in the step that frees pages; no timer), then its KV is
+        READ, and it decodes from the step after the READ ends."""
         request_id = ticket.request_id
         queue = self.engine.open_stream(request_id)
-        started = False
+        sent = False
         try:
             try:
                 plan = await self._connect(ticket)
             except Exception as e:
-                status, kind = (400, "invalid_request_error") if type(e) is ValueError else (500, "server_error")
-                yield error_chunk(status, f"decode replica refused the request: {e}", kind)
+                yield refusal(e)
                 return
-            # Pages for the prompt: the request waits as TRANSFERRING, never scheduled, its pages never freed,
-            # behind older reservations while the pool is full (granted in the step that frees pages; no timer).
             num_pages = -(-len(ticket.prompt_token_ids) // self.engine.page_size)
-            attempt = functools.partial(_reserve, request_id, ticket.prompt_token_ids, ticket.first_token, ticket.params,
-                                        ticket.first_logprob, num_pages, self.transfer_draft_kv)
-            reserved = await self.engine.reserve(request_id, attempt, self.reserve_timeout_s)
-            if "error" in reserved:
-                yield reserved["error"]
+            attempt = functools.partial(_reserve, request_id, ticket.prompt_token_ids, ticket.first_token,
+                                        ticket.params, ticket.first_logprob, num_pages, self.transfer_draft_kv)
+            refused = self.engine.take_over(ticket.pages(), attempt, plan, self.transfer_draft_kv,
+                                            self.reserve_timeout_s, self.read_timeout_s)
+            if refused is not None:
+                yield refused
                 return
-            if reserved["reserved"] is None:
-                yield error_chunk(503, "no decode KV pages free", "overloaded")
-                return
-            tables, reused = reserved["reserved"]
-            stats: dict = {}
-            # The transfer runs to its end even if this stream is cancelled (only then may the pages be freed):
-            # on the transfers loop, outside this call's Ray task (see ``detached``).
-            self._transfers.call_soon_threadsafe(self._transfers.create_task,
-                                                 self._transfer(ticket, tables, reused, stats, plan),
-                                                 context=contextvars.Context())
-            started = True
+            sent = True
         finally:
-            if not started:
-                # Refused, or cancelled before the READ began (a reservation may still be queued on the engine
-                # thread: this command runs after it). No READ touches these pages: free them here.
+            if not sent:      # refused, or cancelled before the engine got it: nothing READs the prefill pages
                 self.engine.close_stream(request_id)
                 ticket.cancel()
-                self.engine.cancel_reservation(request_id)
-        async for chunk in self._stream(request_id, queue, transfer=stats):
+        async for chunk in self._stream(request_id, queue):
             yield chunk
-
-    async def _transfer(self, ticket: Ticket, tables: list[list[int]], reused: int, stats: dict,
-                        plan: list[list[int]]) -> None:
-        """Every decode rank READs from the prefill ranks in its ``plan`` at once (equal TP: rank r from rank r)
-        the pages after the ``reused`` leading ones this side already holds; the request decodes, or fails, once
-        every READ has ended."""
-        request_id = ticket.request_id
-        self.num_awaiting_transfer += 1
-        error: BaseException | None = None
-        readers = collections.Counter(source for sources in plan for source in sources)
-        for source, (agent, lease) in enumerate(zip(ticket.peer_agents, ticket.leases)):
-            if not readers[source]:     # its heads come from another prefill rank holding them too
-                detached(kv_manager(agent).cancel.remote, lease)
-        try:
-            reads = await asyncio.gather(*(
-                kvm.read.remote(ticket.leases[source], ticket.peer_agents[source],
-                                [t[reused:] for t in ticket.tables], [t[reused:] for t in tables],
-                                self.transfer_draft_kv, self.read_timeout_s, readers[source])
-                for kvm, sources in zip(self.group.kv_managers, plan) for source in sources),
-                return_exceptions=True)
-            error = next((r for r in reads if isinstance(r, BaseException)), None)
-            if error is not None and len(reads) > 1:
-                # A lease whose other readers ended while one failed before its READ began: give it back now.
-                ticket.cancel()
-            if error is None:
-                stats.update(bytes=sum(r["bytes"] for r in reads), seconds=max(r["seconds"] for r in reads),
-                             lease_seconds=max(r["lease_seconds"] for r in reads),
-                             descriptors=sum(r["descriptors"] for r in reads), tables=tables, reused_pages=reused,
-                             transport="+".join(sorted({r["transport"] for r in reads})))
-        finally:
-            self.num_awaiting_transfer -= 1
-        landed = error is None
-        try:
-            await self.engine.finish_transfer(request_id, landed, self.transfer_draft_kv,
-                                              None if landed else _transfer_failure(ticket, error))
-        except EngineStopped:       # the replica stopped: its streams already ended
-            pass
-
-    def shutdown(self) -> None:
-        super().shutdown()
-        self._transfers.call_soon_threadsafe(self._transfers.stop)
 
     async def decode_all(self, tickets: Sequence[Ticket]) -> list[RequestOutput]:
         """Every ticket at once (offline use); outputs in ticket order."""
         return list(await asyncio.gather(*(collect(t.request_id, t.prompt_token_ids, self.decode(t))
                                            for t in tickets)))
-
-
-def _transfer_failure(ticket: Ticket, error: BaseException) -> TransferError:
-    cause = error.args[0] if isinstance(error, TransferError) and error.args else f"{type(error).__name__}: {error}"
-    return TransferError(f"request {ticket.request_id}: KV transfer from {ticket.peer_agents[0]} failed: {cause}")
 
 
 class ChunkError(RuntimeError):

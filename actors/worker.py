@@ -33,6 +33,19 @@ KV_MANAGER_NAMESPACE = "dflash"     # KV manager actors are named by their NIXL 
 KV_MANAGER_GPU_SHARE = 0.1
 
 
+_kv_managers: dict[str, object] = {}
+
+
+def kv_manager(agent: str):
+    """The KVManagerActor named ``agent`` (looked up once per process: tickets carry names, not handles,
+    because a handle in a reply costs a registration with its owner)."""
+    import ray
+
+    if agent not in _kv_managers:
+        _kv_managers[agent] = ray.get_actor(agent, namespace=KV_MANAGER_NAMESPACE)
+    return _kv_managers[agent]
+
+
 def build_engine(config: EngineConfig, allocate=None, tp: TensorParallel | None = None):
     from spec_decode import build_engine as build      # the engine with its DFlash drafter, when configured
 
@@ -192,8 +205,8 @@ class RankGroup:
         self.host = ray.remote(EngineHost).options(
             name=f"{self.agent_name(0)}-worker", namespace=KV_MANAGER_NAMESPACE, num_cpus=0,
             num_gpus=_rank0_gpu_share(transfers) if gpu else 0, scheduling_strategy=_beside_me(0), max_restarts=0,
-        ).remote(config, self.kv_managers[0] if transfers else None, num_threads=num_threads, tp_size=tp_size,
-                 tp_address=address)
+        ).remote(config, self.kv_managers[0] if transfers else None, kv_managers=self.kv_managers,
+                 num_threads=num_threads, tp_size=tp_size, tp_address=address)
         try:
             # Under TP rank 0 joins the process group (every rank must be starting) and loads its shard.
             ray.get([rank.ready.remote() for rank in [self.host, *self.remote_ranks]])

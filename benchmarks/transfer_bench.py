@@ -34,14 +34,16 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a t
 LAYOUTS = {"fp8-bf16": ("fp8", "bf16"), "bf16-bf16": ("bf16", "bf16")}
 # Counted from actors/replica.py, actors/engine_host.py and actors/kv_manager.py as they are.
 RAY_CALLS_DETAIL = (
-    "per transferred request, in the transfer: 3 Ray calls. The decode replica calls its KV manager's read "
+    "per transferred request, in the transfer: 3 Ray calls. The decode replica's engine process calls its KV "
+    "manager's read "
     "(awaited); read calls the prefill KV manager's begin_read (awaited, before the NIXL READ is posted) and, "
     "once the READ has ended, its end_read without waiting for it. read reports the NIXL READ alone as "
     "'seconds' and the begin_read round trip as 'lease_seconds'. Around the transfer (not counted): "
     "driver -> prefill replica prefill, prefill replica -> its KV manager hold (sent, not awaited), driver -> decode replica "
     "decode (a streaming call whose chunks return as generator items), the prefill replica's pending "
     "wait_released returning (then re-issued), and register_peer once per new prefill peer; each replica's "
-    "commands to its engine process (prefill: start, release; decode: reserve, finish_transfer). "
+    "commands to its engine process (prefill: start, release; decode: take_over, which reserves the pages, "
+    "READs them and starts decoding in that process). "
     "One Ray stream item per engine step from each engine process to its replica, whatever the batch.")
 
 

@@ -264,8 +264,8 @@ class ServiceMetrics:
         return generate_latest(merged) + generate_latest(self.replica_registry)
 
 
-def engine_snapshot(gauges: dict, role: str, interval_s: float, num_awaiting_transfer: int = 0) -> dict:
+def engine_snapshot(gauges: dict, role: str, interval_s: float) -> dict:
     """What a replica reports: its engine's gauges (``EngineHost.gauges``: batch sizes, pages per pool and owner),
-    with requests awaiting a transfer counted as waiting."""
+    with requests awaiting pages or their transfer counted as waiting."""
     return {"role": role, "healthy": True, "interval_s": interval_s, "running": gauges["running"],
-            "waiting": gauges["waiting"] + num_awaiting_transfer, "pools": gauges["pools"]}
+            "waiting": gauges["waiting"] + gauges.get("awaiting_transfer", 0), "pools": gauges["pools"]}

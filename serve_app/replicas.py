@@ -30,7 +30,6 @@ class _Served:
 
     def _report(self) -> None:
         while not self._closed.wait(self.service.metrics_report_interval_s):
-            awaiting = getattr(self, "num_awaiting_transfer", 0)
             try:
                 # A replica whose rank died reports itself unhealthy at once: /health turns 503 while Serve's
                 # health check (a few periods) replaces it.
@@ -45,7 +44,7 @@ class _Served:
                     if problems:
                         log.warning("%s: a rank is slow to answer: %s", self.replica_id, "; ".join(map(str, problems)))
                     gauges = self.group.host.gauges.remote().future().result(timeout=10)
-                    snap = engine_snapshot(gauges, self.role, interval, awaiting)
+                    snap = engine_snapshot(gauges, self.role, interval)
                 self._hub.report(self.replica_id, snap)
             except Exception:      # a missed report only ages the gauges; keep the replica serving
                 if self._closed.is_set():      # shut down while reporting: the engine loop is gone, as meant

@@ -256,21 +256,34 @@ def test_a_cancel_during_a_slow_read_frees_after_it_and_others_are_unaffected(sl
     assert [t for c in chunks for t in c["token_ids"]] == solo.token_ids
 
 
-def test_a_reservation_waits_behind_a_full_pool_and_fails_cleanly_after_its_timeout(ray_cluster, tiny_target,
-                                                                                    tiny_drafter):
-    """A decode replica whose pool one request fills (8 pages) while its READ is held open for 3 s: the next
-    request waits for pages in the engine's reservation queue, is refused with a 503 once its reserve timeout
-    (1 s) has passed, and gives its prefill pages back; the first decodes to its end. Nothing stays in use."""
+def test_a_reservation_waits_behind_a_full_pool_and_fails_cleanly_after_its_timeout_or_cancel(ray_cluster, tiny_target,
+                                                                                              tiny_drafter):
+    """A decode replica whose pool one request fills (8 pages) while its READ is held open for 3 s. A request whose
+    client goes away while it waits for pages gives its prefill pages back at once (not at the 30 s hold timeout).
+    The next waits in the engine's reservation queue, is refused with a 503 once its reserve timeout (1 s) has
+    passed, and gives its prefill pages back; the first decodes to its end. Nothing stays in use."""
     prefill = ReplicaActor(PrefillReplica, tiny_config(tiny_target, tiny_drafter))
     decode = ReplicaActor(DecodeReplica, EngineConfig(model=str(tiny_target), draft=str(tiny_drafter), num_pages=8),
                           read_delay_s=3.0, reserve_timeout_s=1.0)
+
+    def awaiting_transfer() -> int:
+        return ray.get(ray.get(decode.handle.__ray_call__.remote(lambda r: r.group.host.gauges.remote())))[
+            "awaiting_transfer"]
+
     try:
-        prompts = [[(11 * i + j) % 120 + 1 for j in range(80)] for i in range(2)]      # 5 pages each
-        first, second = [r["ticket"] for r in ray.get([prefill.handle.prefill.remote(*req)
-                                                       for req in requests(prompts, tag="full")])]
+        prompts = [[(11 * i + j) % 120 + 1 for j in range(80)] for i in range(3)]      # 5 pages each
+        first, second, third = [r["ticket"] for r in ray.get([prefill.handle.prefill.remote(*req)
+                                                              for req in requests(prompts, tag="full")])]
         stream = decode.handle.decode.options(num_returns="streaming").remote(first)
+        held = prefill.pages_in_use()        # three prompts' alike
         kvm = ray.get(prefill.handle.kv_managers.remote())[0]
         wait_until(lambda: ray.get(kvm.hold_stats.remote())["reading"] == 1, 10)      # held open for 3 s
+        cancelled = ray.get(kvm.hold_stats.remote())["cancelled"]
+        gone = decode.handle.decode.options(num_returns="streaming").remote(third)
+        wait_until(lambda: awaiting_transfer() == 2, 2)        # the first READs, the third waits for pages
+        ray.cancel(gone)
+        wait_until(lambda: ray.get(kvm.hold_stats.remote())["cancelled"] == cancelled + 1, 0.8)     # < its 1 s timeout
+        wait_until(lambda: prefill.pages_in_use() == held * 2 // 3, 2)     # the first's and the second's
         start = time.monotonic()
         refused = decode_chunks(decode, second)
         waited = time.monotonic() - start
@@ -279,7 +292,9 @@ def test_a_reservation_waits_behind_a_full_pool_and_fails_cleanly_after_its_time
         assert 1.0 <= waited < 3.0, f"refused after {waited:.2f} s, not after its 1 s reserve timeout"
         chunks = [ray.get(ref) for ref in stream]
         assert chunks[-1]["finished"] and sum(len(c["token_ids"]) for c in chunks) == 24, chunks[-1]
+        assert chunks[0]["transfer"]["reused_pages"] == 0 and len(chunks[0]["transfer"]["tables"][0]) == 5
         wait_until(lambda: prefill.pages_in_use() == 0 and decode.pages_in_use() == 0)
+        assert awaiting_transfer() == 0
     finally:
         decode.shutdown()
         prefill.shutdown()
