@@ -90,7 +90,9 @@ class KVManagerActor:
         self._peer_watch: asyncio.Task | None = None
         self._released: list[str] = []
         self._released_event = asyncio.Event()
-        self.counts = {"read": 0, "timed_out": 0, "cancelled": 0, "refused": 0}
+        # Leases ended by their READ, the hold timeout or a cancel; READs refused (the lease had ended); cancels
+        # that came after the lease had ended (a client gone right after its READ).
+        self.counts = {"read": 0, "timed_out": 0, "cancelled": 0, "refused": 0, "after_release": 0}
 
     def ping(self) -> float:
         return time.monotonic()
@@ -237,7 +239,9 @@ class KVManagerActor:
         hold has not arrived yet."""
         lease = self._leases.get(lease_id)
         if lease is None:
-            if lease_id not in self._released_leases:
+            if lease_id in self._released_leases:       # nothing left to give back
+                self.counts["after_release"] += 1
+            else:
                 # Remembered a while: a hold that never comes (its replica died) must not pin memory.
                 loop = asyncio.get_running_loop()
                 self._early_cancels[lease_id] = loop.call_later(EARLY_CANCEL_TTL_S, self._early_cancels.pop,

@@ -54,6 +54,9 @@ class Router:
                 if chunk["type"] == "tokens" and chunk["finished"]:
                     chunk = ticket.with_prefill_timing(chunk)
                 first = False
+                # The last chunk ends the request: a consumer that stops reading after it (and leaves this
+                # generator to be closed when collected) cancels nothing.
+                completed = _last(chunk)
                 yield chunk
             completed = True
         finally:
@@ -65,10 +68,16 @@ class Router:
                 ticket.cancel()
 
 
+def _last(chunk: dict) -> bool:
+    return chunk["type"] == "error" or chunk["finished"]
+
+
 async def _cancel_on_exit(gen) -> AsyncIterator[dict]:
+    """``gen``'s chunks; closed before its last chunk (a disconnect), it cancels the replica's call."""
     finished = False
     try:
         async for chunk in gen:
+            finished = _last(chunk)
             yield chunk
         finished = True
     finally:

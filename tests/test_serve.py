@@ -10,6 +10,7 @@ import pytest
 pytestmark = pytest.mark.ray
 
 import openai  # noqa: E402
+import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from engine.sequence import SamplingParams  # noqa: E402
@@ -309,6 +310,33 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(server):
         assert time.monotonic() < deadline, "the disconnected streams were not aborted"
         time.sleep(0.2)
     assert_healthy_and_free(server)
+
+
+def prefill_lease_counts() -> dict:
+    """The lease counts (``KVManagerActor.hold_stats``) of every prefill rank 0's KV manager, summed."""
+    from actors.worker import KV_MANAGER_NAMESPACE
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == KV_MANAGER_NAMESPACE and a["name"].startswith("prefill-")
+             and a["name"].endswith("-rank0")]
+    assert names
+    stats = ray.get([ray.get_actor(n, namespace=KV_MANAGER_NAMESPACE).hold_stats.remote() for n in names])
+    return {k: sum(s[k] for s in stats) for k in stats[0]}
+
+
+def test_a_finished_request_cancels_nothing(server, client):
+    """A request that ended, streamed or not, sends no cancel for its decode call or its prefill lease, which its
+    READ ended already: the ingress drops its stream after the last chunk, which must not count as a disconnect
+    (``test_disconnect_mid_stream_aborts_and_frees_pages`` checks one that does)."""
+    before = prefill_lease_counts()
+    client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=0)
+    for _ in client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=0, stream=True):
+        pass
+    time.sleep(1.0)       # a late cancel goes out as the ingress collects the request's stream
+    after = prefill_lease_counts()
+    assert after["read"] == before["read"] + 2
+    assert after["after_release"] == before["after_release"], "a finished request sent a cancel"
+    assert after["cancelled"] == before["cancelled"]
 
 
 def test_metrics_parse_and_counters_move_by_the_request(server, client):
