@@ -325,9 +325,11 @@ class EngineClient:
     # --- streams ----------------------------------------------------------------------------------------------
     def open_stream(self, request_id: str) -> asyncio.Queue:
         """The request's queue: token chunks, then the last (``finished``, or an error chunk, or the pair
-        ``(chunk, result)`` of an ``on_finish``)."""
+        ``(chunk, result)`` of an ``on_finish``). ValueError while a request with this id streams here."""
         from actors.engine_loop import _Stream
 
+        if request_id in self._streams:      # a second stream would take the first one's outputs, and end it
+            raise ValueError(f"request id {request_id!r} is already in use on this replica")
         q = _Stream()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         if self._failure is not None:

@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
-from actors.chunks import merge_chunks
+from actors.chunks import error_chunk, merge_chunks
 from actors.engine_host import PrefillPages, refusal
 from actors.engine_loop import EngineStopped
 from actors.worker import RankGroup, RankProblem, freeze_heap, kv_manager
@@ -196,7 +196,11 @@ class AggregatedReplica(EngineReplica):
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[dict]:
-        queue = self.engine.open_stream(request_id)
+        try:
+            queue = self.engine.open_stream(request_id)
+        except ValueError as e:
+            yield in_use(e)
+            return
         try:
             refused = await self.engine.start(request_id, prompt_token_ids, params)
         except BaseException:       # cancelled while being added: it may have been added all the same
@@ -212,6 +216,11 @@ class AggregatedReplica(EngineReplica):
     async def generate_all(self, requests: Sequence[tuple[str, list[int], SamplingParams]]) -> list[RequestOutput]:
         """Every request at once (offline use); outputs in request order."""
         return list(await asyncio.gather(*(collect(rid, ids, self.generate(rid, ids, p)) for rid, ids, p in requests)))
+
+
+def in_use(e: ValueError) -> dict:
+    """The 400 for a request whose id another request streaming on the same replica has."""
+    return error_chunk(400, str(e), "invalid_request_error")
 
 
 def _handover(request_id: str, prompt_token_ids: list[int], params: SamplingParams, num_pages: int,
@@ -271,7 +280,10 @@ class PrefillReplica(EngineReplica):
         ends here (its first token ends it, or it failed)."""
         start = time.perf_counter()
         num_pages = -(-len(prompt_token_ids) // self.engine.page_size)
-        queue = self.engine.open_stream(request_id)
+        try:
+            queue = self.engine.open_stream(request_id)
+        except ValueError as e:
+            return {"chunk": in_use(e)}
         settled = False       # True once the pages are freed or held under a lease
         try:
             refused = await self.engine.start(
@@ -358,7 +370,11 @@ class DecodeReplica(EngineReplica):
         reservations while the pool is full (granted in the step that frees pages; no timer), then its KV is
         READ, and it decodes from the step after the READ ends."""
         request_id = ticket.request_id
-        queue = self.engine.open_stream(request_id)
+        try:
+            queue = self.engine.open_stream(request_id)
+        except ValueError as e:       # the lease is the other request's: left alone
+            yield in_use(e)
+            return
         sent = False
         try:
             try:

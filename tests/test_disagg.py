@@ -6,6 +6,8 @@ starts them.
 
 import json
 import os
+import queue
+import threading
 import time
 from pathlib import Path
 
@@ -381,6 +383,40 @@ def test_demo_ablation_lowers_acceptance_and_stays_lossless(demo):
         return sum(sum(o.acceptance_lengths) for o in outputs) / drafts
 
     assert mean_al(ablated) < mean_al(agg) - 0.05
+
+
+def test_a_request_id_streaming_on_a_replica_is_refused_to_a_second_request_that_changes_nothing(tiny):
+    """A second request with the id of one streaming on the same replica gets a 400 and touches nothing of the first,
+    which streams to its end with its solo tokens (the second's stream would otherwise take the first's outputs, and
+    its refusal close the first's stream). Aggregated, and decode (whose prefill lease is the first's: left alone)."""
+    long = SamplingParams(max_tokens=200, ignore_eos=True)
+    solo = tiny.generate([("dup-solo", TINY_PROMPTS[0], long)])[0]
+    first = tiny.agg.handle.generate.options(num_returns="streaming").remote("dup-agg", TINY_PROMPTS[0], long)
+    chunks = [ray.get(next(first))]          # streaming: the id is in use
+    second = [ray.get(r) for r in tiny.agg.handle.generate.options(num_returns="streaming").remote(
+        "dup-agg", TINY_PROMPTS[1], long)]
+    assert [(c["type"], c["status"]) for c in second] == [("error", 400)] and "already in use" in second[0]["message"]
+    chunks += within(lambda: [ray.get(r) for r in first], 60)
+    assert [t for c in chunks for t in c["token_ids"]] == solo.token_ids and chunks[-1]["finished"]
+
+    ticket = tiny.prefill_all([("dup-decode", TINY_PROMPTS[0], long)])[0]
+    first = tiny.decode.handle.decode.options(num_returns="streaming").remote(ticket)
+    chunks = [ray.get(next(first))]
+    second = decode_chunks(tiny.decode, ticket)
+    assert [(c["type"], c["status"]) for c in second] == [("error", 400)] and "already in use" in second[0]["message"]
+    chunks += within(lambda: [ray.get(r) for r in first], 60)
+    assert [t for c in chunks for t in c["token_ids"]] == solo.token_ids and chunks[-1]["finished"]
+
+
+def within(fn, timeout_s: float):
+    """``fn()``, failing the test when it has not returned within ``timeout_s`` (a stream that lost its outputs
+    would wait forever)."""
+    result = queue.Queue()
+    threading.Thread(target=lambda: result.put(fn()), daemon=True).start()
+    try:
+        return result.get(timeout=timeout_s)
+    except queue.Empty:
+        raise AssertionError(f"no result within {timeout_s} s") from None
 
 
 def test_a_read_may_overtake_its_hold_and_a_cancel_may_too(tiny):
