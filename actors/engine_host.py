@@ -56,10 +56,12 @@ class PrefillPages:
     leases: list[str]              # per prefill rank: the lease its KV manager holds the pages under
     peer_agents: list[str]         # per prefill rank: its NIXL agent, also its KVManagerActor's name
 
-    def cancel(self) -> None:
-        """Give the held pages back now (the request will not be decoded). Safe to call from a request that
-        is being cancelled."""
-        for agent, lease in zip(self.peer_agents, self.leases):
+    def cancel(self, ranks: Sequence[int] | None = None) -> None:
+        """Give the held pages back now (the request will not be decoded), on every prefill rank or on ``ranks``.
+        Safe to call from a request that is being cancelled."""
+        for rank, (agent, lease) in enumerate(zip(self.peer_agents, self.leases)):
+            if ranks is not None and rank not in ranks:
+                continue
             try:
                 detached(kv_manager(agent).cancel.remote, lease)
             except ValueError:      # that KV manager is gone, and its pages with it
@@ -235,10 +237,9 @@ class EngineHost(RankWorker):
         pages after the ``reused`` leading ones this side already holds; returns once every READ has ended: the
         transfer's statistics, or the first error."""
         readers = collections.Counter(source for sources in plan for source in sources)
-        for source, (agent, lease) in enumerate(zip(pages.peer_agents, pages.leases)):
-            if not readers[source]:     # its heads come from another prefill rank holding them too
-                peer = await asyncio.to_thread(kv_manager, agent)
-                detached(peer.cancel.remote, lease)
+        unread = [source for source in range(len(pages.leases)) if not readers[source]]
+        if unread:      # their heads come from other prefill ranks holding them too
+            await asyncio.to_thread(pages.cancel, unread)
         reads = await asyncio.gather(*(
             kvm.read.remote(pages.leases[source], pages.peer_agents[source], [t[reused:] for t in pages.tables],
                             [t[reused:] for t in tables], draft_context, timeout_s, readers[source])
