@@ -208,10 +208,10 @@ class EngineLoop:
 class ReservationQueue:
     """Requests waiting for engine capacity (a decode reservation waiting for free pages), granted oldest first.
 
-    ``reserve(request_id, attempt, timeout_s)`` runs ``attempt(engine)`` on the loop thread; while it returns None
-    the request waits, and the loop retries the oldest waiting attempt after every batch of commands and every
-    step (the moments pages can have been freed), so a request gets its pages in the step they free up, with no
-    timer. A later request never overtakes an older one that does not fit yet. The queue itself is touched on the
+    ``begin(request_id, attempt)`` runs ``attempt(engine)`` on the loop thread; while it returns None the request
+    waits (``wait``, with a timeout), and the loop retries the oldest waiting attempt after every batch of commands
+    and every step (the moments pages can have been freed), so a request gets its pages in the step they free up,
+    with no timer. A later request never overtakes an older one that does not fit yet. The queue itself is touched on the
     loop thread only.
     """
 
@@ -241,14 +241,10 @@ class ReservationQueue:
         self.loop.submit(first_try).add_done_callback(failed)
         return waiter
 
-    async def reserve(self, request_id: str, attempt: Callable[[LLMEngine], Any], timeout_s: float) -> Any:
-        """``attempt``'s first result that is not None, or None once ``timeout_s`` has passed without one. An
-        error ``attempt`` raises propagates. A caller cancelled while waiting must ``forget`` the request on the
-        loop thread (and undo a grant that came first)."""
-        return await self.wait(request_id, self.begin(request_id, attempt), timeout_s)
-
     async def wait(self, request_id: str, waiter: concurrent.futures.Future, timeout_s: float) -> Any:
-        """``begin``'s result, or None once ``timeout_s`` has passed without one (the request stops waiting)."""
+        """``begin``'s result, or None once ``timeout_s`` has passed without one (the request stops waiting). An
+        error ``attempt`` raised propagates. A caller that stops waiting otherwise must ``forget`` the request on
+        the loop thread (and undo a grant that came first)."""
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(waiter)), timeout_s)
         except asyncio.TimeoutError:

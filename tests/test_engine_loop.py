@@ -35,6 +35,11 @@ def attempt(request_id: str, prompt: list[int]):
     return reserve
 
 
+async def reserve(queue: ReservationQueue, request_id: str, attempt, timeout_s: float):
+    """What the engine host does for a take-over: queue the first attempt now, then wait for the grant."""
+    return await queue.wait(request_id, queue.begin(request_id, attempt), timeout_s)
+
+
 def pages_in_use(loop: EngineLoop) -> int:
     return loop.submit(lambda e: e.kv.pages_in_use()).result(timeout=10)
 
@@ -43,11 +48,11 @@ def test_a_waiting_reservation_gets_the_pages_as_they_free_oldest_first(loop):
     queue = ReservationQueue(loop)
 
     async def scenario():
-        first = await queue.reserve("a", attempt("a", PROMPTS[0]), timeout_s=10)
+        first = await reserve(queue, "a", attempt("a", PROMPTS[0]), timeout_s=10)
         assert first is not None
         # The pool is full: these two wait, in arrival order.
-        second = asyncio.ensure_future(queue.reserve("b", attempt("b", PROMPTS[1]), timeout_s=10))
-        third = asyncio.ensure_future(queue.reserve("c", attempt("c", PROMPTS[2]), timeout_s=10))
+        second = asyncio.ensure_future(reserve(queue, "b", attempt("b", PROMPTS[1]), timeout_s=10))
+        third = asyncio.ensure_future(reserve(queue, "c", attempt("c", PROMPTS[2]), timeout_s=10))
         await asyncio.sleep(0.3)
         assert not second.done() and not third.done()
         assert len(queue) == 2
@@ -74,10 +79,10 @@ def test_a_reservation_that_times_out_leaves_nothing_behind(loop):
     queue = ReservationQueue(loop)
 
     async def scenario():
-        assert await queue.reserve("x", attempt("x", PROMPTS[0]), timeout_s=10) is not None
+        assert await reserve(queue, "x", attempt("x", PROMPTS[0]), timeout_s=10) is not None
         held = pages_in_use(loop)
         start = time.monotonic()
-        assert await queue.reserve("y", attempt("y", PROMPTS[1]), timeout_s=0.3) is None
+        assert await reserve(queue, "y", attempt("y", PROMPTS[1]), timeout_s=0.3) is None
         assert 0.3 <= time.monotonic() - start < 5
         assert len(queue) == 0 and pages_in_use(loop) == held
         await loop.call(lambda e: e.finish_transfer("x", False))
@@ -95,9 +100,9 @@ def test_an_invalid_request_fails_and_does_not_block_the_queue(loop):
 
     async def scenario():
         with pytest.raises(ValueError):
-            await queue.reserve("bad", attempt("bad", []), timeout_s=1)       # an empty prompt
+            await reserve(queue, "bad", attempt("bad", []), timeout_s=1)       # an empty prompt
         assert len(queue) == 0
-        granted = await queue.reserve("ok", attempt("ok", PROMPTS[3]), timeout_s=5)
+        granted = await reserve(queue, "ok", attempt("ok", PROMPTS[3]), timeout_s=5)
         assert granted is not None
         await loop.call(lambda e: e.finish_transfer("ok", False))
 
