@@ -3,13 +3,17 @@
 A replica's event loop runs Serve's per-request streaming (or the offline driver's); its engine thread needs the
 interpreter for the host work of every step. In one process they share one GIL, and on a GPU the engine thread
 waited for it for a third of each step at 16 streams (``benchmarks/README.md``). So rank 0's engine runs in an
-actor of its own on the replica's node and GPU share, and the two talk over two channels:
+actor of its own on the replica's node and GPU share. Ray starts, places and supervises it (and answers its
+inspection calls); the hot traffic goes over a local socket between the two processes, opened once
+(``EngineClient.connect``), where an actor call would cost a millisecond or more per crossing each way:
 
-- outputs: one streaming actor call, open for the replica's life, that yields once per engine step what that
-  step handed over for every request (token chunks, finishing results, errors) as one message;
-- commands (add, abort, release, take over a prefilled request, fail): actor calls the client numbers and the
-  host runs in that order. Ray does not order an async actor's calls (a large argument can hold one back), and an
-  abort must never overtake the add it aborts.
+- commands (add, abort, release, take over a prefilled request, fail), host-bound, run in the order sent (a
+  stream keeps it: an abort never overtakes the add it aborts); a command that has a result gets a reply;
+- outputs, replica-bound: one message per engine step with what that step handed over for every request (token
+  chunks, finishing results, errors), and the replies.
+
+The socket is in Linux's abstract namespace (nothing on disk to clean up) and takes one connection, which must
+first present a random key that only the actor's caller learns: a frame is unpickled only after that.
 
 A decode replica's take-over runs here, next to the engine: the reservation of pages, the READs (by the ranks' KV
 managers) and the start of decoding cost the replica's process one command, and the first output arrives on the
@@ -23,8 +27,14 @@ import collections
 import concurrent.futures
 import contextvars
 import dataclasses
+import hmac
 import inspect
 import logging
+import os
+import pickle
+import secrets
+import socket
+import struct
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -106,9 +116,28 @@ def _wire(item) -> Any:
     return error_from(item)
 
 
+_HEADER = struct.Struct("!Q")      # a frame: its length, then that many bytes (a pickle, or the key)
+KEY_TIMEOUT_S = 10.0               # how long a connection to the host may take to present its key
+
+
+def _frame(payload: bytes) -> bytes:
+    return _HEADER.pack(len(payload)) + payload
+
+
+def _pickled(message) -> bytes:
+    return _frame(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+async def _read_frame(reader: asyncio.StreamReader, limit: int | None = None) -> bytes:
+    (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+    if limit is not None and size > limit:
+        raise ValueError(f"a {size}-byte frame where at most {limit} were expected")
+    return await reader.readexactly(size)
+
+
 class EngineHost(RankWorker):
-    """Rank 0 as an actor: builds the engine, steps it in its engine loop thread, runs the replica's numbered
-    commands in order and streams the steps' outputs back (``outputs``)."""
+    """Rank 0 as an actor: builds the engine, steps it in its engine loop thread, runs the commands its replica
+    sends over the socket in order and sends the steps' outputs back on it."""
 
     def __init__(self, config, kv_manager=None, *, kv_managers: Sequence = (), **kwargs):
         self._build_error: BaseException | None = None
@@ -121,46 +150,104 @@ class EngineHost(RankWorker):
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._reservations = ReservationQueue(self.loop)
         self._taking: dict[str, _TakeOver] = {}
-        self._next = 0                                   # the number of the command that runs next
-        self._turns: dict[int, asyncio.Future] = {}     # commands that arrived before their turn
+        self._key = secrets.token_bytes(32)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._address = f"\0dflash-engine-{os.getpid()}-{secrets.token_hex(8)}"
+        self._listener.bind(self._address)
+        self._listener.listen(4)
+        self._listener.setblocking(False)
+        self._server: asyncio.AbstractServer | None = None
+        self._connected = False
+        self._tasks: set[asyncio.Task] = set()     # replies in flight (the event loop keeps weak references)
 
     def ready(self) -> None:
         if self._build_error is not None:
             raise self._build_error
 
-    def describe(self) -> dict:
-        return {"page_size": self.engine.kv.page_size}
+    async def describe(self) -> dict:
+        """What the replica needs to connect: the engine's page size, this process's node, the socket's address and
+        the key a connection must present (the caller of this actor is the only one to learn it)."""
+        import ray
 
-    async def outputs(self):
-        """Streamed to the replica (one call for its life): per engine step, the ``(request_id, item)`` pairs it
-        handed over, an item being a token chunk, a finishing ``(chunk, on_finish result)`` or an error chunk."""
+        if self._server is None:
+            self._server = await asyncio.start_unix_server(self._serve, sock=self._listener)
+        return {"page_size": self.engine.kv.page_size, "node_id": ray.get_runtime_context().get_node_id(),
+                "address": self._address, "key": self._key}
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The replica's connection: its key, then its commands until it closes the connection. Any other
+        connection (a second one, a wrong key) is closed unread."""
+        try:
+            key = await asyncio.wait_for(_read_frame(reader, limit=len(self._key)), KEY_TIMEOUT_S)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, OSError):
+            key = b""
+        if self._connected or not hmac.compare_digest(key, self._key):
+            writer.close()
+            return
+        self._connected = True
+        self._server.close()          # no other connection from now on
+        sender = asyncio.get_running_loop().create_task(self._send_outputs(writer))
+        try:
+            while True:
+                call, name, args = pickle.loads(await _read_frame(reader))
+                self._run(writer, call, name, args)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:      # the replica went away (its process ended): nothing will read this engine's outputs again
+            sender.cancel()
+            writer.close()
+            self.loop.fail(EngineStopped("its replica closed the connection"))
+
+    def _run(self, writer: asyncio.StreamWriter, call: int | None, name: str, args: tuple) -> None:
+        """Hand command ``name`` to the engine loop now (so in the order sent); reply to a numbered ``call`` with
+        its result once it has one."""
+        try:
+            pending = getattr(self, f"_do_{name}")(*args)
+        except Exception as e:
+            if call is None:      # nobody waits for its result: a bug, said where it can be seen
+                log.exception("command %s failed", name)
+                return
+            pending = e
+        if call is None:
+            if inspect.isawaitable(pending):
+                self._keep(asyncio.ensure_future(pending))
+            return
+
+        async def reply() -> None:
+            try:
+                if isinstance(pending, Exception):
+                    raise pending
+                value = await pending if inspect.isawaitable(pending) else pending
+                message = ("reply", call, True, value)
+            except Exception as e:
+                message = ("reply", call, False, e)
+            try:
+                frame = _pickled(message)
+            except Exception as e:      # a result or an exception that does not pickle: told as text
+                frame = _pickled(("reply", call, False, RuntimeError(f"{type(e).__name__}: {e}")))
+            writer.write(frame)
+
+        self._keep(asyncio.get_running_loop().create_task(reply()))
+
+    def _keep(self, task: asyncio.Task) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send_outputs(self, writer: asyncio.StreamWriter) -> None:
+        """Per batch of what the engine loop handed over (one engine step's, or more if the socket is slower), the
+        ``(request_id, item)`` pairs as one message, an item being a token chunk, a finishing ``(chunk, on_finish
+        result)`` or an error chunk."""
         while True:
             items = [await self._outbox.get()]
             while not self._outbox.empty():
                 items.append(self._outbox.get_nowait())
-            yield [(request_id, _wire(item)) for request_id, item in items]
-
-    async def command(self, number: int, name: str, *args) -> Any:
-        """Run command ``number`` once every lower-numbered one has been handed to the engine loop."""
-        if number != self._next:
-            turn = self._turns[number] = asyncio.get_running_loop().create_future()
-            await turn
-        try:
-            pending = getattr(self, f"_do_{name}")(*args)     # hands its work to the engine loop, in order
-        finally:
-            self._next = number + 1
-            waiting = self._turns.pop(self._next, None)
-            if waiting is not None:
-                waiting.set_result(None)
-        return await pending if inspect.isawaitable(pending) else pending
+            writer.write(_pickled(("out", [(request_id, _wire(item)) for request_id, item in items])))
+            await writer.drain()
 
     def _open(self, request_id: str, on_finish=None) -> _Forward:
         return self.loop.open_stream(request_id, on_finish, queue=_Forward(request_id, self._outbox))
 
     # --- commands: each hands its work to the engine loop before returning (an awaitable for its result) -------
-    def _do_noop(self) -> None:
-        return None
-
     def _do_start(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, hold_pages: bool,
                   on_finish: Callable[[LLMEngine, RequestOutput], Any] | None):
         self._open(request_id, on_finish)
@@ -303,24 +390,34 @@ def engine_gauges(engine: LLMEngine) -> dict:
 
 
 class EngineClient:
-    """The replica's side of its ``EngineHost``: per-request streams fed by the host's output stream (a thread
-    receives each step's message and hands it to the streams' event loops, one wake-up each), and the commands,
-    numbered. If the host dies every open stream ends with ``EngineStopped`` and later commands fail with it."""
+    """The replica's side of its ``EngineHost``: per-request streams fed by the host's outputs (a thread receives
+    each message and hands it to the streams' event loops, one wake-up each), and the commands, sent in order over
+    the socket. If the host dies every open stream ends with ``EngineStopped`` and later commands fail with it."""
 
     def __init__(self, host):
         self.host = host
         self.page_size: int = 0
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._failure: EngineStopped | None = None
-        self._numbering = threading.Lock()
-        self._number = 0
+        self._socket: socket.socket | None = None
+        self._sending = threading.Lock()       # one frame at a time, in the order the commands were made
+        self._calls = 0
+        self._replies: dict[int, concurrent.futures.Future] = {}
         self._pump = threading.Thread(target=self._receive, name="engine-outputs", daemon=True)
 
     def connect(self) -> None:
-        """Open the output stream (the host must be built: its constructor has returned)."""
+        """Connect to the host (it must be built: its constructor has returned) and start receiving."""
         import ray
 
-        self.page_size = ray.get(self.host.describe.remote())["page_size"]
+        info = ray.get(self.host.describe.remote())
+        here = ray.get_runtime_context().get_node_id()
+        if info["node_id"] != here:
+            raise RuntimeError(f"the engine process runs on node {info['node_id']}, its replica on {here}: they "
+                               "talk over a local socket and must share a node (the rank's scheduling places them so)")
+        self.page_size = info["page_size"]
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._socket.connect(info["address"])
+        self._socket.sendall(_frame(info["key"]))
         self._pump.start()
 
     # --- streams ----------------------------------------------------------------------------------------------
@@ -344,41 +441,53 @@ class EngineClient:
             target[1].closed = True
 
     def _receive(self) -> None:
-        import ray
-
         name_native_thread("engine-outputs")
+        gone = EngineStopped("this replica's engine process is gone (its connection closed); retry the request")
         try:
-            for ref in self.host.outputs.options(num_returns="streaming").remote():
-                hand_over(self._streams, ray.get(ref), ends)
-            error = EngineStopped("the engine process ended its output stream")
-        except Exception as e:        # the host died (or was shut down)
-            error = EngineStopped(f"this replica's engine process is gone ({type(e).__name__}); retry the request")
-        self._end_streams(error)
+            with self._socket.makefile("rb") as incoming:
+                while len(header := incoming.read(_HEADER.size)) == _HEADER.size:
+                    message = pickle.loads(incoming.read(_HEADER.unpack(header)[0]))
+                    if message[0] == "out":
+                        hand_over(self._streams, message[1], ends)
+                    else:
+                        _, call, ok, value = message
+                        reply = self._replies.pop(call, None)
+                        if reply is not None:      # else the streams were ended (``fail``) while it ran
+                            reply.set_result(value) if ok else reply.set_exception(value)
+        except Exception as e:        # the connection broke, or a message did not unpickle
+            if not isinstance(e, OSError):
+                log.exception("the engine process's outputs could not be read")
+                gone = EngineStopped(f"this replica's engine process is gone ({type(e).__name__}); retry the request")
+        self._end_streams(gone)
 
     def _end_streams(self, error: EngineStopped) -> None:
         if self._failure is None:
             self._failure = error
+        with self._sending:
+            replies, self._replies = self._replies, {}
+        for reply in replies.values():
+            reply.set_exception(self._failure)
         hand_over(self._streams, [(r, error_from(error)) for r in list(self._streams)], ends)
 
     # --- commands ---------------------------------------------------------------------------------------------
-    def _command(self, name: str, *args):
-        """Send command ``name``; its ObjectRef. Numbered under a lock, so that a number is never lost: a send
-        that fails (an argument that does not pickle) sends a no-op in its place."""
-        with self._numbering:
-            number, self._number = self._number, self._number + 1
+    def _command(self, name: str, *args, reply: bool = False) -> concurrent.futures.Future | None:
+        """Send command ``name``; with ``reply``, the future of its result. An argument that does not pickle raises
+        here and sends nothing; a host that is gone raises EngineStopped."""
+        with self._sending:
+            if self._failure is not None:
+                raise EngineStopped(str(self._failure))
+            call = None
+            if reply:
+                call, self._calls = self._calls, self._calls + 1
+            frame = _pickled((call, name, args))
+            if reply:
+                future = self._replies[call] = concurrent.futures.Future()
             try:
-                return detached(self.host.command.remote, number, name, *args)
-            except Exception:
-                detached(self.host.command.remote, number, "noop")
-                raise
-
-    async def _result(self, ref) -> Any:
-        import ray
-
-        try:
-            return await ref
-        except ray.exceptions.RayActorError as e:
-            raise EngineStopped(f"this replica's engine process is gone ({type(e).__name__}); retry the request")
+                self._socket.sendall(frame)     # blocks only while a large frame waits for the host to read
+            except OSError as e:     # the host is gone; the receiving thread ends the streams
+                self._replies.pop(call, None)
+                raise EngineStopped(f"this replica's engine process is gone ({type(e).__name__}); retry the request")
+        return future if reply else None
 
     async def start(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                     hold_pages: bool = False, on_finish: Callable[[LLMEngine, RequestOutput], Any] | None = None
@@ -386,33 +495,36 @@ class EngineClient:
         """Add the request (its stream must be open); None, or the error chunk that refused it (bad input: 400;
         the engine stopped: 503). ``on_finish`` runs on the engine thread as the finished output is handed over
         (``EngineLoop.open_stream``): module-level, it travels by reference."""
-        if self._failure is not None:
-            return error_from(self._failure)
         try:
-            return await self._result(self._command("start", request_id, list(prompt_token_ids), params, hold_pages,
-                                                    on_finish))
+            return await asyncio.wrap_future(self._command("start", request_id, list(prompt_token_ids), params,
+                                                           hold_pages, on_finish, reply=True))
         except EngineStopped as e:
             return error_from(e)
 
     def abort(self, request_id: str) -> None:
         """Abort and free the request's pages; safe in a cancelled coroutine's ``finally`` (nothing to await)."""
         self.close_stream(request_id)
-        if self._failure is None:
+        try:
             self._command("abort", request_id)
+        except EngineStopped:     # nothing to abort: the engine and its pages are gone
+            pass
 
     def release(self, request_id: str) -> None:
         """Free a finished request's held pages."""
-        if self._failure is None:
+        try:
             self._command("release", request_id)
+        except EngineStopped:
+            pass
 
     def take_over(self, pages: PrefillPages, attempt: Callable[[LLMEngine], Any], plan: list[list[int]],
                   draft_context: bool, reserve_timeout_s: float, read_timeout_s: float) -> dict | None:
         """Have the host reserve pages for a prefilled request's prompt, READ its KV and start decoding it
         (``EngineHost._do_take_over``); its stream must be open. None once sent, or the error chunk when the
         engine has stopped. Nothing to await: its outcome arrives on the stream, and ``abort`` stops it."""
-        if self._failure is not None:
-            return error_from(self._failure)
-        self._command("take_over", pages, attempt, plan, draft_context, reserve_timeout_s, read_timeout_s)
+        try:
+            self._command("take_over", pages, attempt, plan, draft_context, reserve_timeout_s, read_timeout_s)
+        except EngineStopped as e:
+            return error_from(e)
         return None
 
     def fail(self, error: EngineStopped) -> None:
@@ -420,11 +532,11 @@ class EngineClient:
         stops computing (``EngineLoop.fail``)."""
         if self._failure is not None:
             return
-        self._end_streams(error)
         try:
             self._command("fail", str(error))
-        except Exception:      # the host is gone already
+        except EngineStopped:      # the host is gone already
             pass
+        self._end_streams(error)
 
     @property
     def failed(self) -> bool:

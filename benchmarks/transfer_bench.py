@@ -42,9 +42,9 @@ RAY_CALLS_DETAIL = (
     "driver -> prefill replica prefill, prefill replica -> its KV manager hold (sent, not awaited), driver -> decode replica "
     "decode (a streaming call whose chunks return as generator items), the prefill replica's pending "
     "wait_released returning (then re-issued), and register_peer once per new prefill peer; each replica's "
-    "commands to its engine process (prefill: start, release; decode: take_over, which reserves the pages, "
-    "READs them and starts decoding in that process). "
-    "One Ray stream item per engine step from each engine process to its replica, whatever the batch.")
+    "commands to its engine process over their local socket, not Ray (prefill: start, release; decode: "
+    "take_over, which reserves the pages, READs them and starts decoding in that process). "
+    "One socket message per engine step from each engine process to its replica, whatever the batch.")
 
 
 def ms(seconds: float) -> float:

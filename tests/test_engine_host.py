@@ -1,8 +1,11 @@
-"""Rank 0's engine in a process of its own (``actors.engine_host``): the commands run in the order the replica
-numbered them whatever order Ray delivers them in, and a replica whose engine process dies ends its streams with
-a retryable error at once and says so in its health check."""
+"""Rank 0's engine in a process of its own (``actors.engine_host``): the commands run in the order the replica sent
+them, its socket serves its replica only, and a replica whose engine process dies ends its streams with a retryable
+error at once and says so in its health check."""
 
 import asyncio
+import pickle
+import socket
+import struct
 import threading
 import time
 
@@ -12,6 +15,7 @@ pytestmark = pytest.mark.ray
 
 import ray  # noqa: E402
 
+from actors.engine_host import EngineHost, _frame  # noqa: E402
 from actors.replica import AggregatedReplica  # noqa: E402
 from actors.worker import RankGroup  # noqa: E402
 from engine.llm import EngineConfig  # noqa: E402
@@ -27,57 +31,86 @@ def group(ray_cluster, tiny_target):
     g.shutdown()
 
 
-def _reserve_numbers(client, n: int) -> int:
-    """Take ``n`` command numbers from the client, to send those commands by hand."""
-    with client._numbering:
-        first, client._number = client._number, client._number + n
-    return first
+def _pages_reach(group, done, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done(ray.get(group.host.pages_in_use.remote())):
+        assert time.monotonic() < deadline, ray.get(group.host.pages_in_use.remote())
+        time.sleep(0.05)
 
 
-def test_commands_run_in_their_numbered_order_whatever_order_they_arrive_in(group):
-    """An abort that reaches the host before the add it aborts waits for it: the held prefill is added, then
-    aborted, and its pages are free. Run in arrival order, the abort would find nothing and the request would
-    finish holding its pages."""
-    first = _reserve_numbers(group.engine, 2)
+def test_commands_run_in_the_order_sent(group):
+    """Adds of held prefills each followed at once by their abort, nothing awaited in between: every abort finds
+    its request, and the pages come back. An abort run before its add would find nothing, and its request would
+    finish holding its pages (the control at the end: a held prefill nobody aborts keeps them)."""
     params = SamplingParams(max_tokens=1)
-    abort = group.host.command.remote(first + 1, "abort", "held")
-    time.sleep(1.0)
-    assert ray.wait([abort], timeout=0)[0] == [], "the abort ran before the add it follows"
-    refused = ray.get(group.host.command.remote(first, "start", "held", PROMPT, params, True, None), timeout=30)
-    assert refused is None
-    ray.get(abort, timeout=30)
-    deadline = time.monotonic() + 10
-    while ray.get(group.host.pages_in_use.remote()) != 0:
-        assert time.monotonic() < deadline, "the aborted request kept its pages"
-        time.sleep(0.1)
-    # The check above can fail: a held prefill that nothing aborts keeps its pages.
-    assert ray.get(group.host.command.remote(_reserve_numbers(group.engine, 1), "start", "held2", PROMPT, params,
-                                             True, None), timeout=30) is None
-    deadline = time.monotonic() + 10
-    while ray.get(group.host.pages_in_use.remote()) == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    group.engine.abort("held2")
-    deadline = time.monotonic() + 10
-    while ray.get(group.host.pages_in_use.remote()) != 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    for i in range(12):
+        group.engine._command("start", f"held{i}", PROMPT, params, True, None)
+        group.engine.abort(f"held{i}")
+    _pages_reach(group, lambda n: n == 0)
+    assert ray.get(group.host.pages_in_use.remote()) == 0
+    group.engine._command("start", "kept", PROMPT, params, True, None)
+    _pages_reach(group, lambda n: n > 0)
+    group.engine.abort("kept")
+    _pages_reach(group, lambda n: n == 0)
 
 
-def test_a_command_that_cannot_be_sent_does_not_stall_the_ones_after_it(group):
-    """Its number goes to a no-op in its place; else every later command would wait for it forever."""
-    with pytest.raises(TypeError):
-        group.engine._command("start", "bad", PROMPT, SamplingParams(max_tokens=2), False, threading.Lock())
-
+def _generate(client, request_id: str, n: int) -> int:
     async def run():
-        queue = group.engine.open_stream("good")
-        assert await asyncio.wait_for(group.engine.start("good", PROMPT, SamplingParams(max_tokens=3)), 30) is None
+        queue = client.open_stream(request_id)
+        assert await asyncio.wait_for(client.start(request_id, PROMPT, SamplingParams(max_tokens=n)), 30) is None
         chunks = [await asyncio.wait_for(queue.get(), 30)]
         while not chunks[-1]["finished"]:
             chunks.append(await asyncio.wait_for(queue.get(), 30))
         return sum(len(c["token_ids"]) for c in chunks)
 
-    assert asyncio.run(run()) == 3
+    return asyncio.run(run())
+
+
+def test_a_command_whose_arguments_do_not_pickle_sends_nothing(group):
+    """It raises in the caller, and the commands after it run: half a frame on the socket would garble them."""
+    with pytest.raises(TypeError):
+        group.engine._command("start", "bad", PROMPT, SamplingParams(max_tokens=2), False, threading.Lock(),
+                              reply=True)
+    assert _generate(group.engine, "good", 3) == 3
+
+
+def test_the_engine_socket_serves_its_replica_only(ray_cluster, tiny_target):
+    """Before its replica connects, a connection with a wrong key or a garbled frame is closed unread (a command
+    after it does not run: the engine still serves); the one with the key is answered; after it the socket
+    takes no other connection, the right key or not."""
+    host = ray.remote(EngineHost).options(num_cpus=0).remote(
+        EngineConfig(model=str(tiny_target), page_size=16, num_pages=32))
+    try:
+        ray.get(host.ready.remote(), timeout=120)
+        info = ray.get(host.describe.remote())
+        intruder_command = _frame(pickle.dumps((None, "fail", ("an intruder",))))
+
+        def connect() -> socket.socket:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(30)
+            s.connect(info["address"])
+            return s
+
+        def closed_unread(first: bytes) -> bool:
+            with connect() as s:
+                s.sendall(first + intruder_command)
+                try:
+                    return s.recv(1) == b""
+                except ConnectionResetError:
+                    return True
+
+        assert closed_unread(_frame(b"x" * len(info["key"])))
+        assert closed_unread(struct.pack("!Q", 1 << 40))
+        assert ray.get(host.problem.remote()) is None, "a command from a connection without the key ran"
+        with connect() as replica:
+            replica.sendall(_frame(info["key"]) + _frame(pickle.dumps((7, "release", ("nothing",)))))
+            incoming = replica.makefile("rb")
+            size = struct.unpack("!Q", incoming.read(8))[0]
+            assert pickle.loads(incoming.read(size)) == ("reply", 7, True, None)
+            with pytest.raises(ConnectionRefusedError):
+                connect()
+    finally:
+        ray.kill(host)
 
 
 def test_a_replica_whose_engine_process_dies_fails_its_streams_at_once_and_its_health_check(ray_cluster, tiny_target):
