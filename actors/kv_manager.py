@@ -7,8 +7,10 @@ Prefill side, a lease per held request: ``hold`` -> HELD (expires after the hold
 by the decode peer -> READING (cannot expire while the READ runs, beyond a generous deadline for a peer
 that died mid-READ) -> ``end_read`` -> released. Between TP sizes several decode ranks may READ one prefill
 rank's pages: each says so (``num_readers``) and names itself, and the lease is released once every one of
-them has ended its READ. A lease that expired or was cancelled refuses
-``begin_read``, so a READ never copies pages that were freed (and maybe reused). Released requests reach
+them has ended its READ. A lease that expired or was cancelled refuses ``begin_read``. The reader posts its
+READ while its ``begin_read`` is in flight and uses the bytes only if the lease is granted: a lease still held
+when its check arrives was held since the prefill, so during the READ too; a refused READ's bytes (the pages may
+have been freed, even reused) are discarded. Released requests reach
 the replica through ``wait_released``, a call that returns when there are some.
 """
 
@@ -295,30 +297,48 @@ class KVManagerActor:
         lease_check = peer_kv_manager.begin_read.remote(lease_id, timeout_s, self.name, num_readers)
         owners = owners_for(transfer_draft_kv)
         split = {}
-        try:       # planned while the lease check is in flight (a bad table fails below, after it)
-            plan_start = time.perf_counter()
+        plan_start = time.perf_counter()
+        try:
             plan = self.endpoint.plan(peer_name, remote_tables, local_tables, owners)
-            split["plan_s"] = time.perf_counter() - plan_start
-        except Exception as e:      # raised after the lease check, so that the lease is ended either way
-            plan = e
-        if not await lease_check:
+        except Exception:       # nothing READ: the lease, if granted, ends here
+            if await lease_check:
+                peer_kv_manager.end_read.remote(lease_id, self.name)
+            raise
+        split["plan_s"] = time.perf_counter() - plan_start
+        # The READ starts now, while the lease check is in flight. Its bytes are used only if the check grants the
+        # lease: a lease still held when its check arrives has been held since the prefill, so during the READ too
+        # (and from then on it cannot expire before ``end_read``). Refused, the READ may have copied pages that
+        # were freed, even reused: they are discarded. The pages it writes into are this request's until it ends.
+        self._reading_from[peer_name] += 1
+        reading = asyncio.ensure_future(self._timed_read(peer_name, remote_tables, local_tables, owners, timeout_s,
+                                                         plan, split))
+        granted = False
+        try:
+            granted = await lease_check
+            lease_end = time.perf_counter()
+            if granted:
+                nbytes, descriptors, read_start, end = await reading
+        finally:
+            await asyncio.wait({reading})       # returns or raises only once the READ can no longer write here
+            if not granted and not reading.cancelled():
+                reading.exception()              # retrieved: a refused READ's outcome does not matter
+            self._reading_from[peer_name] -= 1
+            if granted:
+                peer_kv_manager.end_read.remote(lease_id, self.name)
+        if not granted:
             raise TransferError(f"the prefill hold {lease_id} at {peer_name} expired or was cancelled before "
                                 "its READ")
-        read_start = time.perf_counter()
-        self._reading_from[peer_name] += 1
-        try:
-            if isinstance(plan, Exception):
-                raise plan
-            nbytes, descriptors = await self.endpoint.read(peer_name, remote_tables, local_tables, owners, timeout_s,
-                                                           self.read_delay_s, plan=plan, split=split)
-            end = time.perf_counter()      # the pages have landed; what follows only tells the peer
-        finally:
-            self._reading_from[peer_name] -= 1
-            peer_kv_manager.end_read.remote(lease_id, self.name)
-        # seconds: the READ alone (posting and waiting, in ``split`` with the planning done during the lease check);
-        # lease_seconds: the lease check before it (one call to the peer)
+        # seconds: the READ alone, from its start to the pages landing (in ``split``: planning, posting, waiting);
+        # lease_seconds: the lease check (one call to the peer), which runs alongside the planning and the READ
         return {"bytes": nbytes, "descriptors": descriptors, "seconds": end - read_start,
-                "lease_seconds": read_start - start, "transport": self.endpoint.transport(peer_name), "split": split}
+                "lease_seconds": lease_end - start, "transport": self.endpoint.transport(peer_name), "split": split}
+
+    async def _timed_read(self, peer_name, remote_tables, local_tables, owners, timeout_s, plan, split):
+        """The READ, with when it started and when its pages had landed."""
+        start = time.perf_counter()
+        nbytes, descriptors = await self.endpoint.read(peer_name, remote_tables, local_tables, owners, timeout_s,
+                                                       self.read_delay_s, plan=plan, split=split)
+        return nbytes, descriptors, start, time.perf_counter()
 
     def close(self) -> None:
         if self._peer_watch is not None:

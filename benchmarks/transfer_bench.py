@@ -36,9 +36,9 @@ LAYOUTS = {"fp8-bf16": ("fp8", "bf16"), "bf16-bf16": ("bf16", "bf16")}
 RAY_CALLS_DETAIL = (
     "per transferred request, in the transfer: 3 Ray calls. The decode replica's engine process calls its KV "
     "manager's read "
-    "(awaited); read calls the prefill KV manager's begin_read (awaited, before the NIXL READ is posted) and, "
-    "once the READ has ended, its end_read without waiting for it. read reports the NIXL READ alone as "
-    "'seconds' and the begin_read round trip as 'lease_seconds'. Around the transfer (not counted): "
+    "(awaited); read calls the prefill KV manager's begin_read (awaited, the NIXL READ posted meanwhile) and, "
+    "once both have ended, its end_read without waiting for it. read reports the NIXL READ alone as "
+    "'seconds' and the begin_read round trip, which runs alongside it, as 'lease_seconds'. Around the transfer (not counted): "
     "driver -> prefill replica prefill, prefill replica -> its KV manager hold (sent, not awaited), driver -> decode replica "
     "decode (a streaming call whose chunks return as generator items), the prefill replica's pending "
     "wait_released returning (then re-issued), and register_peer once per new prefill peer; each replica's "
@@ -173,7 +173,7 @@ def bandwidth(num_pages: int, repeats: int) -> dict:
     for pattern, (remote, local) in patterns.items():
         ray.get(dst.fill.remote(0))
         # The decode path: the source holds a (dummy) request's pages under a lease, the destination READs
-        # under it: one begin_read call to the source (lease_seconds), then the NIXL READ (seconds).
+        # under it: one begin_read call to the source (lease_seconds) with the NIXL READ (seconds) alongside.
         read_s, lease_s, call_s, descriptors = [], [], [], set()
         for i in range(repeats + 1):
             lease = ray.get(src.hold.remote(f"bench-{pattern}-{lease_ids}", f"lease-{lease_ids}", 60.0))

@@ -228,9 +228,10 @@ def test_unread_prefill_pages_are_freed_by_the_hold_timeout(short_holds):
     assert hold_stats(short_holds)["timed_out"] == timed_out + len(tickets)
 
 
-def test_an_expired_hold_is_never_read_and_fails_cleanly(short_holds):
-    """The lease expired before the decode side began its READ: the READ is refused (the pages may already
-    hold another request's KV), the request fails with a transfer error, and both sides free everything."""
+def test_an_expired_hold_is_never_served_and_fails_cleanly(short_holds):
+    """The lease expired before the decode side began its READ: the lease check refuses it, and the bytes the READ
+    copied meanwhile (the pages may already hold another request's KV) are discarded; the request fails with a
+    transfer error, and both sides free everything."""
     refused = hold_stats(short_holds)["refused"]
     ticket = short_holds.prefill_all(requests(TINY_PROMPTS[1:2], tag="expired"))[0]
     wait_until(lambda: short_holds.prefill.pages_in_use() == 0)        # the 0.3 s hold ran out
@@ -256,6 +257,24 @@ def test_a_cancel_during_a_slow_read_frees_after_it_and_others_are_unaffected(sl
     ticket = stack.prefill_all(requests(TINY_PROMPTS[2:3], tag="after"))[0]
     chunks = decode_chunks(stack.decode, ticket)
     assert [t for c in chunks for t in c["token_ids"]] == solo.token_ids
+
+
+def test_a_refused_lease_frees_the_decode_pages_only_after_its_read(slow_reads):
+    """The READ starts while its lease check is in flight. A lease cancelled before the READ: the check refuses
+    it at once, but the READ (held open for 3 s) may still write into the decode pages, so they stay reserved
+    until it ends; then the request fails with a transfer error, and no other request ever gets those bytes."""
+    stack = slow_reads
+    refused = hold_stats(stack)["refused"]
+    ticket = stack.prefill_all(requests(TINY_PROMPTS[3:4], tag="refused"))[0]
+    ticket.cancel()
+    wait_until(lambda: stack.prefill.pages_in_use() == 0)
+    stream = stack.decode.handle.decode.options(num_returns="streaming").remote(ticket)
+    wait_until(lambda: hold_stats(stack)["refused"] == refused + 1, 5)
+    time.sleep(1.0)
+    assert stack.decode.pages_in_use() > 0, "pages were freed while the refused READ could still write into them"
+    chunks = [ray.get(ref) for ref in stream]
+    assert [c["type"] for c in chunks] == ["error"] and chunks[0]["error_type"] == "transfer_error", chunks
+    assert "expired or was cancelled" in chunks[0]["message"]
 
 
 def test_a_reservation_waits_behind_a_full_pool_and_fails_cleanly_after_its_timeout_or_cancel(ray_cluster, tiny_target,
