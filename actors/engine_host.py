@@ -416,7 +416,11 @@ class EngineClient:
                                "talk over a local socket and must share a node (the rank's scheduling places them so)")
         self.page_size = info["page_size"]
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._socket.connect(info["address"])
+        try:
+            self._socket.connect(info["address"])
+        except OSError as e:
+            raise RuntimeError(f"cannot reach this replica's engine process over its local socket ({e}): the two "
+                               "processes must share a network namespace (not separate containers)") from e
         self._socket.sendall(_frame(info["key"]))
         self._pump.start()
 
