@@ -137,15 +137,17 @@ class NixlEndpoint:
         ``info`` describes: per space, per group, pages in table order.
 
         Offsets come from this rank's own pools: registration checked that the peer's page layout is identical.
+        Page counts may differ (a prefill and a decode replica size their pools apart): ``info``'s bound a table.
         """
         bases = {(g.space, g.group): (g.base_address, g.device_id) for g in info.groups}
+        sizes = {g.space: g.num_pages for g in info.groups}
         rows = []
         for space, (pool, table) in enumerate(zip(self.pools, tables)):
             pages = np.asarray(table, dtype=np.int64)
-            bad = pages[(pages < 0) | (pages >= pool.num_pages)]
+            bad = pages[(pages < 0) | (pages >= sizes[space])]
             if len(bad):
                 raise TransferError(f"page {bad[0]} is outside space {space} of {info.agent_name} "
-                                    f"({pool.num_pages} pages)")
+                                    f"({sizes[space]} pages)")
             for group, start, length in pool.page_spans(owners):
                 base, device = bases[(space, group)]
                 block = np.empty((len(pages), 3), dtype=np.int64)

@@ -26,8 +26,9 @@ def specs(heads: int):
     return make_layer_specs(T, 3, torch.float8_e4m3fn, heads, 16) + make_layer_specs(D, 2, torch.bfloat16, heads, 16)
 
 
-def endpoint(name: str, heads: int = 2, tp_size: int = 1, tp_rank: int = 0) -> NixlEndpoint:
-    pool = KVPool(specs(heads), PAGE_SIZE, NUM_PAGES)
+def endpoint(name: str, heads: int = 2, tp_size: int = 1, tp_rank: int = 0, num_pages: int = NUM_PAGES
+             ) -> NixlEndpoint:
+    pool = KVPool(specs(heads), PAGE_SIZE, num_pages)
     return NixlEndpoint(name, [pool], tp_size=tp_size, tp_rank=tp_rank,
                         total_kv_heads={s.name: 2 for s in pool.specs})
 
@@ -245,3 +246,29 @@ def test_cuda_runtime_errors_become_transfer_errors():
         CudaRuntime(Lib(query=700)).query(5)
     if not torch.cuda.is_available():
         assert CudaRuntime.load() is None
+
+
+def test_a_peer_with_more_pages_is_read_past_this_side_s_page_count():
+    """A prefill replica's pool is often larger than its decode peer's: its pages past the reader's own count READ
+    and copy like any other (each table is bounded by its own side's pool), and a page past either pool is
+    refused before anything moves."""
+    src = endpoint("big-src", num_pages=2 * NUM_PAGES)
+    gen = torch.Generator().manual_seed(1)
+    for buffer in source_buffers(src):
+        buffer.copy_(torch.randint(1, 255, buffer.shape, dtype=torch.uint8, generator=gen))
+    dst = endpoint("small-dst")
+    name = dst.add_peer(src.rank_info.to_json())
+    try:
+        remote, local = [NUM_PAGES + 3, 2 * NUM_PAGES - 1, 1], [0, 5, NUM_PAGES - 1]
+        both_ways(dst, name, src, remote, local)
+        landed = [b.view(NUM_PAGES, -1) for b in source_buffers(dst)]
+        sent = [b.view(2 * NUM_PAGES, -1) for b in source_buffers(src)]
+        for got, want in zip(landed, sent):
+            assert torch.equal(got[local], want[remote])
+        with pytest.raises(TransferError, match=f"page {2 * NUM_PAGES} is outside space 0 of big-src"):
+            dst.plan(name, [[2 * NUM_PAGES]], [[0]], (T, D))
+        with pytest.raises(TransferError, match=f"page {NUM_PAGES} is outside space 0 of small-dst"):
+            dst.plan(name, [[0]], [[NUM_PAGES]], (T, D))
+    finally:
+        dst.close()
+        src.close()
