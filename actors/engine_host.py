@@ -36,6 +36,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -139,7 +140,8 @@ class EngineHost(RankWorker):
     """Rank 0 as an actor: builds the engine, steps it in its engine loop thread, runs the commands its replica
     sends over the socket in order and sends the steps' outputs back on it."""
 
-    def __init__(self, config, kv_manager=None, *, kv_managers: Sequence = (), **kwargs):
+    def __init__(self, config, kv_manager=None, *, kv_managers: Sequence = (), kv_manager_names: Sequence[str] = (),
+                 **kwargs):
         self._build_error: BaseException | None = None
         try:
             super().__init__(config, kv_manager, tp_rank=0, **kwargs)
@@ -147,6 +149,8 @@ class EngineHost(RankWorker):
             self._build_error = e
             return
         self.kv_managers = list(kv_managers)      # every rank's, in rank order: they READ a take-over's pages
+        self.kv_manager_names = list(kv_manager_names)      # their names: the readers the lease checks name
+        self._peers: dict[str, Any] = {}          # prefill KV managers by name (a first lookup is a call to Ray's GCS)
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._reservations = ReservationQueue(self.loop)
         self._taking: dict[str, _TakeOver] = {}
@@ -327,20 +331,53 @@ class EngineHost(RankWorker):
         unread = [source for source in range(len(pages.leases)) if not readers[source]]
         if unread:      # their heads come from other prefill ranks holding them too
             await asyncio.to_thread(pages.cancel, unread)
-        reads = await asyncio.gather(*(
-            kvm.read.remote(pages.leases[source], pages.peer_agents[source], [t[reused:] for t in pages.tables],
-                            [t[reused:] for t in tables], draft_context, timeout_s, readers[source])
-            for kvm, sources in zip(self.kv_managers, plan) for source in sources), return_exceptions=True)
-        error = next((r for r in reads if isinstance(r, BaseException)), None)
+        pairs = [(rank, source) for rank, sources in enumerate(plan) for source in sources]
+        agents = {pages.peer_agents[source] for _, source in pairs} - self._peers.keys()
+        try:
+            if agents:
+                self._peers.update(await asyncio.to_thread(lambda: {agent: kv_manager(agent) for agent in agents}))
+        except ValueError as e:      # a prefill KV manager that is gone: nothing to READ, nothing posted
+            return {}, TransferError(f"a prefill KV manager is gone: {e}")
+        # Each rank's KV manager posts its READ at once, and the lease checks go to the prefill KV managers from
+        # here alongside them (not after a hop to the reader): the bytes are kept only if every check grants its
+        # lease (``KVManagerActor.read`` says why that is safe). Both end before anything is decided or freed.
+        start, answered = time.perf_counter(), []
+        checks = [self._check_lease(pages, source, self.kv_manager_names[rank], readers[source], timeout_s, answered)
+                  for rank, source in pairs]
+        reads = [self.kv_managers[rank].read.remote(None, pages.peer_agents[source],
+                                                    [t[reused:] for t in pages.tables], [t[reused:] for t in tables],
+                                                    draft_context, timeout_s, readers[source]) for rank, source in pairs]
+        outcomes = await asyncio.gather(*checks, *reads, return_exceptions=True)
+        granted, reads = outcomes[:len(pairs)], outcomes[len(pairs):]
+        for (rank, source), check in zip(pairs, granted):
+            if check is True:
+                self._peers[pages.peer_agents[source]].end_read.remote(pages.leases[source],
+                                                                       self.kv_manager_names[rank])
+        # A refused lease first: a READ of freed pages may fail too, and the refusal is why.
+        error = next((c for c in granted if isinstance(c, BaseException)), None)
+        if error is None and False in granted:
+            source = pairs[granted.index(False)][1]
+            error = TransferError(f"the prefill hold {pages.leases[source]} at {pages.peer_agents[source]} expired "
+                                  "or was cancelled before its READ")
+        if error is None:
+            error = next((r for r in reads if isinstance(r, BaseException)), None)
         if error is not None:
-            if len(reads) > 1:
+            if len(pairs) > 1:
                 # A lease whose other readers ended while one failed before its READ began: give it back now.
                 await asyncio.to_thread(pages.cancel)
             return {}, error
         return {"bytes": sum(r["bytes"] for r in reads), "seconds": max(r["seconds"] for r in reads),
-                "lease_seconds": max(r["lease_seconds"] for r in reads),
+                "lease_seconds": max(answered) - start,
                 "descriptors": sum(r["descriptors"] for r in reads), "tables": tables, "reused_pages": reused,
                 "transport": "+".join(sorted({r["transport"] for r in reads}))}, None
+
+    async def _check_lease(self, pages: PrefillPages, source: int, reader: str, num_readers: int, timeout_s: float,
+                           answered: list[float]) -> bool:
+        """``begin_read`` of prefill rank ``source``'s lease for decode rank ``reader``: True if granted."""
+        granted = await self._peers[pages.peer_agents[source]].begin_read.remote(pages.leases[source], timeout_s,
+                                                                                reader, num_readers)
+        answered.append(time.perf_counter())
+        return granted
 
     def _do_fail(self, message: str) -> None:
         self.loop.fail(EngineStopped(message))

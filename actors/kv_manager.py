@@ -7,8 +7,9 @@ Prefill side, a lease per held request: ``hold`` -> HELD (expires after the hold
 by the decode peer -> READING (cannot expire while the READ runs, beyond a generous deadline for a peer
 that died mid-READ) -> ``end_read`` -> released. Between TP sizes several decode ranks may READ one prefill
 rank's pages: each says so (``num_readers``) and names itself, and the lease is released once every one of
-them has ended its READ. A lease that expired or was cancelled refuses ``begin_read``. The reader posts its
-READ while its ``begin_read`` is in flight and uses the bytes only if the lease is granted: a lease still held
+them has ended its READ. A lease that expired or was cancelled refuses ``begin_read``. The READ is posted while
+its ``begin_read`` is in flight (sent by the reader, or by the decode engine's process for all its ranks at
+once) and its bytes are used only if the lease is granted: a lease still held
 when its check arrives was held since the prefill, so during the READ too; a refused READ's bytes (the pages may
 have been freed, even reused) are discarded. Released requests reach
 the replica through ``wait_released``, a call that returns when there are some.
@@ -284,24 +285,26 @@ class KVManagerActor:
                 **self.counts}
 
     # --- decode side: READ ----------------------------------------------------------------------
-    async def read(self, lease_id: str, peer_name: str, remote_tables: list[list[int]],
+    async def read(self, lease_id: str | None, peer_name: str, remote_tables: list[list[int]],
                    local_tables: list[list[int]], transfer_draft_kv: bool = True, timeout_s: float = 10.0,
                    num_readers: int = 1) -> dict:
         """READ one request's pages (or this rank's kv-head slices of them) from the registered peer under its
         lease, one of ``num_readers`` ranks reading it; returns stats or raises TransferError. Returns or raises
-        only once the READ can no longer write into ``local_tables``."""
+        only once the READ can no longer write into ``local_tables``. ``lease_id`` None: the caller checks the
+        lease (``begin_read`` and ``end_read`` with this manager's name) and keeps the bytes only if granted."""
         start = time.perf_counter()
         peer_kv_manager = self._peer_managers.get(peer_name)
         if peer_kv_manager is None:
             raise TransferError(f"{peer_name} was not registered with its KV manager")
-        lease_check = peer_kv_manager.begin_read.remote(lease_id, timeout_s, self.name, num_readers)
+        lease_check = None if lease_id is None else \
+            peer_kv_manager.begin_read.remote(lease_id, timeout_s, self.name, num_readers)
         owners = owners_for(transfer_draft_kv)
         split = {}
         plan_start = time.perf_counter()
         try:
             plan = self.endpoint.plan(peer_name, remote_tables, local_tables, owners)
         except Exception:       # nothing READ: the lease, if granted, ends here
-            if await lease_check:
+            if lease_check is not None and await lease_check:
                 peer_kv_manager.end_read.remote(lease_id, self.name)
             raise
         split["plan_s"] = time.perf_counter() - plan_start
@@ -312,9 +315,10 @@ class KVManagerActor:
         self._reading_from[peer_name] += 1
         reading = asyncio.ensure_future(self._timed_read(peer_name, remote_tables, local_tables, owners, timeout_s,
                                                          plan, split))
-        granted = False
+        granted = lease_check is None
         try:
-            granted = await lease_check
+            if lease_check is not None:
+                granted = await lease_check
             lease_end = time.perf_counter()
             if granted:
                 nbytes, descriptors, read_start, end = await reading
@@ -323,7 +327,7 @@ class KVManagerActor:
             if not granted and not reading.cancelled():
                 reading.exception()              # retrieved: a refused READ's outcome does not matter
             self._reading_from[peer_name] -= 1
-            if granted:
+            if granted and lease_check is not None:
                 peer_kv_manager.end_read.remote(lease_id, self.name)
         if not granted:
             raise TransferError(f"the prefill hold {lease_id} at {peer_name} expired or was cancelled before "

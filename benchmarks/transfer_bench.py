@@ -34,11 +34,10 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a t
 LAYOUTS = {"fp8-bf16": ("fp8", "bf16"), "bf16-bf16": ("bf16", "bf16")}
 # Counted from actors/replica.py, actors/engine_host.py and actors/kv_manager.py as they are.
 RAY_CALLS_DETAIL = (
-    "per transferred request, in the transfer: 3 Ray calls. The decode replica's engine process calls its KV "
-    "manager's read "
-    "(awaited); read calls the prefill KV manager's begin_read (awaited, the NIXL READ posted meanwhile) and, "
-    "once both have ended, its end_read without waiting for it. read reports the NIXL READ alone as "
-    "'seconds' and the begin_read round trip, which runs alongside it, as 'lease_seconds'. Around the transfer (not counted): "
+    "per transferred request, in the transfer: 3 Ray calls. The decode replica's engine process calls, at once, "
+    "its KV manager's read (which posts the NIXL READ) and the prefill KV manager's begin_read, awaits both, "
+    "and then sends the prefill KV manager end_read without waiting for it. The transfer reports the NIXL READ "
+    "alone as 'seconds' and the begin_read round trip, which runs alongside it, as 'lease_seconds'. Around the transfer (not counted): "
     "driver -> prefill replica prefill, prefill replica -> its KV manager hold (sent, not awaited), driver -> decode replica "
     "decode (a streaming call whose chunks return as generator items), the prefill replica's pending "
     "wait_released returning (then re-issued), and register_peer once per new prefill peer; each replica's "

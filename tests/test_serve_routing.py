@@ -4,6 +4,7 @@ prefill replica that holds its pages, whichever ingress takes them; the rendezvo
 replicas and moves only a departed replica's prompts."""
 
 import hashlib
+import time
 
 import httpx
 import pytest
@@ -43,8 +44,12 @@ def complete(url: str, prompt: list[int]) -> dict:
 
 
 def test_repeats_and_next_turns_reach_the_replica_holding_their_pages(server):
-    samples = metric_samples(httpx.get(f"{server}/metrics", timeout=30).text)
-    assert metric_sum(samples, "dflash_num_replicas", role="prefill") == 2
+    # Replicas report their metrics every few seconds: the second may not have reported by the first health check.
+    deadline = time.monotonic() + 30
+    while metric_sum(metric_samples(httpx.get(f"{server}/metrics", timeout=30).text), "dflash_num_replicas",
+                     role="prefill") != 2:
+        assert time.monotonic() < deadline, "the app does not report 2 prefill replicas"
+        time.sleep(0.2)
     # With two replicas and random routing, six repeats would all find the pages once in 32 runs.
     prompt = [4 + (7 * j + j * j) % 95 for j in range(2 * CHUNK + 5)]
     assert len(prompt) >= PREFIX_TOKENS          # its next turns share the tokens that decide the replica
