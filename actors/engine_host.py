@@ -283,16 +283,20 @@ class EngineHost(RankWorker):
         every rank's KV manager READ its KV into them, and start decoding it. Its stream gets the first output,
         carrying the transfer's statistics, or an error chunk. An abort stops it wherever it is, and its pages
         are freed only once no READ can write into them."""
+        began = time.perf_counter()
         request_id = pages.request_id
         taking = self._taking[request_id] = _TakeOver(self._open(request_id))
         waiter = self._reservations.begin(request_id, attempt)
         taking.task = asyncio.get_running_loop().create_task(
-            self._take_over(pages, taking, waiter, plan, draft_context, reserve_timeout_s, read_timeout_s),
+            self._take_over(pages, taking, waiter, plan, draft_context, reserve_timeout_s, read_timeout_s, began),
             context=contextvars.Context())
 
     async def _take_over(self, pages: PrefillPages, taking: _TakeOver, waiter: concurrent.futures.Future,
                          plan: list[list[int]], draft_context: bool, reserve_timeout_s: float,
-                         read_timeout_s: float) -> None:
+                         read_timeout_s: float, began: float) -> None:
+        """The take-over's first output carries its transfer's statistics, with the seconds of its phases here:
+        ``reserve_s`` (waiting for pages), ``read_s`` (the lease checks and READs, from posting them to the last
+        one's end) and ``start_s`` (the engine thread starting the request's decoding)."""
         request_id = pages.request_id
         try:
             refused = None
@@ -307,11 +311,15 @@ class EngineHost(RankWorker):
                 self.loop.deliver([(request_id, refused or error_chunk(503, "no decode KV pages free", "overloaded"))])
                 return
             tables, reused = reserved
+            reserved_at = time.perf_counter()
             stats, error = await self._read(pages, tables, reused, plan, draft_context, read_timeout_s)
+            read_at = time.perf_counter()
+            stats.update(reserve_s=reserved_at - began, read_s=read_at - reserved_at)
             taking.stream.first_extra = {"transfer": stats}
 
             def finish(e: LLMEngine) -> None:
                 out = e.finish_transfer(request_id, error is None, draft_context=draft_context)
+                stats["start_s"] = time.perf_counter() - read_at
                 # Delivered from the engine thread, so it precedes this request's next step's output.
                 self.loop.deliver([(request_id, out if error is None else _transfer_failure(pages, error))])
 

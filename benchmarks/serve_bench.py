@@ -73,10 +73,13 @@ def _offline(target: str, drafter: str, prompts: list, concurrency: int, output_
 _offline.cache = {}
 
 
-# /metrics histograms read around each run: (sum, count) deltas give the run's means.
+# /metrics histograms read around each run: (sum, count) deltas give the run's means. A value is a histogram's name,
+# or its name and one label's value (``phase`` of the hand-off's phases).
 HISTOGRAMS = {"read_s": "dflash_kv_transfer_latency_seconds", "ttft_s": "dflash_time_to_first_token_seconds",
               "queue_s": "dflash_request_queue_time_seconds", "prefill_s": "dflash_request_prefill_time_seconds",
-              "decode_s": "dflash_request_decode_time_seconds", "e2e_s": "dflash_e2e_request_latency_seconds"}
+              "decode_s": "dflash_request_decode_time_seconds", "e2e_s": "dflash_e2e_request_latency_seconds",
+              "handoff_s": "dflash_kv_handoff_seconds",
+              **{f"handoff_{p}_s": ("dflash_kv_handoff_phase_seconds", p) for p in ("reserve", "read", "start")}}
 
 
 def _histograms(url: str) -> dict[str, tuple[float, float]]:
@@ -86,14 +89,17 @@ def _histograms(url: str) -> dict[str, tuple[float, float]]:
     from tests.test_serve_support import metric_samples, metric_sum
 
     samples = metric_samples(httpx.get(f"{url}/metrics", timeout=30).text)
-    return {key: (metric_sum(samples, f"{name}_sum"), metric_sum(samples, f"{name}_count"))
-            for key, name in HISTOGRAMS.items()}
+    sums = {}
+    for key, name in HISTOGRAMS.items():
+        name, labels = (name, {}) if isinstance(name, str) else (name[0], {"phase": name[1]})
+        sums[key] = (metric_sum(samples, f"{name}_sum", **labels), metric_sum(samples, f"{name}_count", **labels))
+    return sums
 
 
 def measured_run(url: str, bench_args: argparse.Namespace) -> dict:
     """One load run with its CPU per process, the mean NIXL READ time (``mean_read_s``), and the server's means
-    (``server``: TTFT and end-to-end as the ingress saw them; queue, prefill and decode inside the engines), printed
-    as it ends."""
+    (``server``: TTFT, end-to-end and a disaggregated request's hand-off as the ingress saw them; queue, prefill and
+    decode inside the engines, the hand-off's phases in the decode engine's process), printed as it ends."""
     from benchmarks.proc_cpu import bench_with_cpu, format_usage
     from serve_app.bench import bench, format_table
 
@@ -109,10 +115,18 @@ def measured_run(url: str, bench_args: argparse.Namespace) -> dict:
     print(format_table([summary]).splitlines()[-2], flush=True)
     if means["ttft_s"] is not None and means["queue_s"] is not None:
         print("   server means ms: " + ", ".join(f"{k[:-2]} {v * 1e3:.2f}" for k, v in means.items() if v is not None)
-              + f"; TTFT outside the engine {(means['ttft_s'] - means['queue_s'] - means['prefill_s']) * 1e3:.2f}",
+              + f"; TTFT outside the engine {(means['ttft_s'] - means['queue_s'] - means['prefill_s']) * 1e3:.2f}"
+              + (f"; hand-off outside the decode engine's process {(means['handoff_s'] - phases) * 1e3:.2f}"
+                 if means["handoff_s"] is not None and (phases := _phase_sum(means)) is not None else ""),
               flush=True)
     print(format_usage(summary["cpu"]), flush=True)
     return summary
+
+
+def _phase_sum(means: dict) -> float | None:
+    """The mean hand-off phases' sum (the time a take-over spent in the decode engine's process)."""
+    phases = [v for k, v in means.items() if k.startswith("handoff_") and k != "handoff_s" and v is not None]
+    return sum(phases) if phases else None
 
 
 def _median(values):

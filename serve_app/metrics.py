@@ -25,6 +25,7 @@ prometheus_client.disable_created_metrics()
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+HANDOFF_PHASES = ("reserve", "read", "start")     # EngineHost._take_over's, in order
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 STALE_REPORTS = 3      # a replica that missed this many reports in a row is gone (scaled down or dead) ...
 STALE_GRACE_S = 2.0    # ... plus this long: a loaded host delays a report thread by a second or more
@@ -176,6 +177,15 @@ class ServiceMetrics:
                                             "launched) by KV transfers", m, registry=r)
         self.transfer_latency = Histogram("dflash_kv_transfer_latency_seconds", "KV READ (or copy) latency", m,
                                           buckets=TRANSFER_BUCKETS, registry=r)
+        # A decode take-over as a whole (the stall between a disaggregated request's first token and the rest), and
+        # its phases inside the decode engine's process; the difference is routing and the crossings between
+        # processes.
+        self.handoff = Histogram("dflash_kv_handoff_seconds", "From a prefill's result at the ingress to the decode "
+                                 "replica's first output there", m, buckets=TRANSFER_BUCKETS, registry=r)
+        self.handoff_phase = Histogram("dflash_kv_handoff_phase_seconds", "A decode take-over's phases in the decode "
+                                       "engine's process: reserve (waiting for pages), read (lease checks and READs), "
+                                       "start (the engine starting to decode)", m + ["phase"],
+                                       buckets=TRANSFER_BUCKETS, registry=r)
         self.transfer_reused_pages = Counter("dflash_kv_transfer_reused_pages", "Prompt pages a decode replica took "
                                              "from its own prefix cache instead of READing them", m, registry=r)
         self.drafts = Counter("dflash_spec_decode_num_drafts", "Verification steps that carried drafts", m,
@@ -222,6 +232,11 @@ class ServiceMetrics:
             self.transfer_descriptors.labels(self.model_name).inc(stats.get("descriptors", 0))
             self.transfer_latency.labels(self.model_name).observe(stats["seconds"])
             self.transfer_reused_pages.labels(self.model_name).inc(stats.get("reused_pages", 0))
+            if "handoff_s" in stats:
+                self.handoff.labels(self.model_name).observe(stats["handoff_s"])
+            for phase in HANDOFF_PHASES:
+                if f"{phase}_s" in stats:
+                    self.handoff_phase.labels(self.model_name, phase).observe(stats[f"{phase}_s"])
 
     # --- per scrape, from the hub ---------------------------------------------------------------
     def own_text(self) -> str:

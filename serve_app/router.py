@@ -6,6 +6,7 @@ the prefill peer named in the ticket on first sight, so any decode replica can t
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 from engine.sequence import SamplingParams
@@ -15,7 +16,9 @@ class Router:
     def __init__(self, backends: dict, on_transfer=None):
         self.backends = backends
         self.disaggregated = "prefill" in backends
-        self.on_transfer = on_transfer        # called with the decode's transfer stats, or None on failure
+        # Called with the decode's transfer stats (and ``handoff_s``: from the prefill's result here to the decode
+        # side's first output here), or None on failure.
+        self.on_transfer = on_transfer
 
     async def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
                      ) -> AsyncIterator[dict]:
@@ -32,7 +35,7 @@ class Router:
         if "chunk" in result:
             yield result["chunk"]
             return
-        ticket = result["ticket"]
+        ticket, ticket_at = result["ticket"], time.perf_counter()
         # The decode call is routed while the first token goes out, and the first token goes out now, while its KV
         # moves (unless it could still be cut by a stop string or end the request, which only the decode side's
         # output settles).
@@ -45,8 +48,8 @@ class Router:
             first = True
             async for chunk in _cancel_on_exit(gen):
                 if first and self.on_transfer is not None:
-                    if chunk["type"] == "tokens":
-                        self.on_transfer(chunk.get("transfer"))
+                    if chunk["type"] == "tokens" and chunk.get("transfer") is not None:
+                        self.on_transfer({**chunk["transfer"], "handoff_s": time.perf_counter() - ticket_at})
                     elif chunk.get("error_type") == "transfer_error":
                         self.on_transfer(None)
                 if first and early and chunk["type"] == "tokens":
