@@ -310,9 +310,9 @@ class EngineHost(RankWorker):
                     self.loop.submit(lambda e: e.finish_transfer(request_id, False))
                 self.loop.deliver([(request_id, refused or error_chunk(503, "no decode KV pages free", "overloaded"))])
                 return
-            tables, reused = reserved
+            tables, reused, settled = reserved
             reserved_at = time.perf_counter()
-            stats, error = await self._read(pages, tables, reused, plan, draft_context, read_timeout_s)
+            stats, error = await self._read(pages, tables, reused, plan, draft_context, read_timeout_s, settled)
             read_at = time.perf_counter()
             stats.update(reserve_s=reserved_at - began, read_s=read_at - reserved_at)
             taking.stream.first_extra = {"transfer": stats}
@@ -331,10 +331,11 @@ class EngineHost(RankWorker):
             self._taking.pop(request_id, None)
 
     async def _read(self, pages: PrefillPages, tables: list[list[int]], reused: int, plan: list[list[int]],
-                    draft_context: bool, timeout_s: float) -> tuple[dict, BaseException | None]:
+                    draft_context: bool, timeout_s: float, settled=None) -> tuple[dict, BaseException | None]:
         """Every rank READs from the prefill ranks in its ``plan`` at once (equal TP: rank r from rank r) the
-        pages after the ``reused`` leading ones this side already holds; returns once every READ has ended: the
-        transfer's statistics, or the first error."""
+        pages after the ``reused`` leading ones this side already holds, once ``settled`` (``_reserve``'s) says
+        this engine's device can no longer write into them; returns once every READ has ended: the transfer's
+        statistics, or the first error."""
         readers = collections.Counter(source for sources in plan for source in sources)
         unread = [source for source in range(len(pages.leases)) if not readers[source]]
         if unread:      # their heads come from other prefill ranks holding them too
@@ -350,11 +351,20 @@ class EngineHost(RankWorker):
         # here alongside them (not after a hop to the reader): the bytes are kept only if every check grants its
         # lease (``KVManagerActor.read`` says why that is safe). Both end before anything is decided or freed.
         start, answered = time.perf_counter(), []
-        checks = [self._check_lease(pages, source, self.kv_manager_names[rank], readers[source], timeout_s, answered)
-                  for rank, source in pairs]
-        reads = [self.kv_managers[rank].read.remote(None, pages.peer_agents[source],
-                                                    [t[reused:] for t in pages.tables], [t[reused:] for t in tables],
-                                                    draft_context, timeout_s, readers[source]) for rank, source in pairs]
+        checks = [asyncio.ensure_future(self._check_lease(pages, source, self.kv_manager_names[rank], readers[source],
+                                                          timeout_s, answered)) for rank, source in pairs]
+        unsettled = None
+        try:
+            if settled is not None and not settled.query():
+                # A step launched ahead may still write into pages freed on the host since: wait for the device
+                # here, not on the engine thread, which goes on stepping (the lease checks are on their way).
+                await asyncio.to_thread(settled.synchronize)
+        except Exception as e:       # the device failed: nothing is READ
+            unsettled = TransferError(f"waiting for the device before the READ failed: {e}")
+        reads = [] if unsettled is not None else [
+            self.kv_managers[rank].read.remote(None, pages.peer_agents[source], [t[reused:] for t in pages.tables],
+                                               [t[reused:] for t in tables], draft_context, timeout_s, readers[source])
+            for rank, source in pairs]
         outcomes = await asyncio.gather(*checks, *reads, return_exceptions=True)
         granted, reads = outcomes[:len(pairs)], outcomes[len(pairs):]
         for (rank, source), check in zip(pairs, granted):
@@ -368,7 +378,7 @@ class EngineHost(RankWorker):
             error = TransferError(f"the prefill hold {pages.leases[source]} at {pages.peer_agents[source]} expired "
                                   "or was cancelled before its READ")
         if error is None:
-            error = next((r for r in reads if isinstance(r, BaseException)), None)
+            error = unsettled or next((r for r in reads if isinstance(r, BaseException)), None)
         if error is not None:
             if len(pairs) > 1:
                 # A lease whose other readers ended while one failed before its READ began: give it back now.

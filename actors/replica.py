@@ -326,16 +326,15 @@ class PrefillReplica(EngineReplica):
 
 def _reserve(request_id: str, prompt_token_ids: list[int], first_token: int, params: SamplingParams,
              first_logprob: TokenLogprob | None, num_pages: int, reuse_prefix: bool, e: LLMEngine):
-    """On the decode engine's thread: the prompt's pages per space and how many leading ones are reused, or None
-    while the pool lacks pages."""
+    """On the decode engine's thread: the prompt's pages per space, how many leading ones are reused, and what the
+    READ must wait for before writing into them (``LLMEngine.pages_settled``), or None while the pool lacks
+    pages."""
     request = e.reserve_transfer(prompt_token_ids, first_token, params, request_id=request_id,
                                  first_logprob=first_logprob, reuse_prefix=reuse_prefix)
     if request is None:
         return None
-    # A rank > 0 may still run a forward that writes these pages for the request that held them last.
-    e.sync_ranks()
     return ([e.kv.block_table(request_id, s)[:num_pages] for s in range(len(e.kv.pools))],
-            request.num_reused_tokens // e.kv.page_size)
+            request.num_reused_tokens // e.kv.page_size, e.pages_settled())
 
 
 class DecodeReplica(EngineReplica):

@@ -459,6 +459,21 @@ class LLMEngine:
         if self.model.tp is not None:
             self.model.tp.barrier()
 
+    def pages_settled(self) -> torch.cuda.Event | None:
+        """Rank 0, before another process writes into pages this engine has just handed to a request (a decode
+        READ): None once nothing this engine launched can still write into them, else an event that completes
+        when the device has run everything launched so far (a step launched ahead may still write into pages that
+        a request finished on the host has freed). Waiting for it is the caller's: the engine thread goes on
+        stepping. With tensor parallelism it returns None after ``sync_ranks`` (ranks > 0 give no event)."""
+        if self.model.tp is not None:
+            self.sync_ranks()
+            return None
+        if self.model.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(blocking=True)     # its waiter sleeps
+        event.record(torch.cuda.current_stream(self.model.device))
+        return event
+
     def _sync_device(self) -> None:
         if self.model.device.type == "cuda":
             torch.cuda.current_stream(self.model.device).synchronize()

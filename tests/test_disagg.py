@@ -321,6 +321,73 @@ def test_a_reservation_waits_behind_a_full_pool_and_fails_cleanly_after_its_time
         prefill.shutdown()
 
 
+def _settle_slowly(host, seconds: float, fail: bool) -> None:
+    """In a decode engine's process: every reservation's ``pages_settled`` gives an event that completes ``seconds``
+    later (or whose wait fails), as a GPU's would while a step launched ahead still runs."""
+    import time as clock
+
+    class Settle:
+        def __init__(self):
+            self.until = clock.monotonic() + seconds
+
+        def query(self) -> bool:
+            return clock.monotonic() >= self.until
+
+        def synchronize(self) -> None:
+            if fail:
+                raise RuntimeError("device lost")
+            clock.sleep(max(0.0, self.until - clock.monotonic()))
+
+    host.engine.pages_settled = Settle
+
+
+def _settle_at_once(host) -> None:
+    del host.engine.pages_settled
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_read_waits_for_the_device_to_settle_the_reserved_pages_off_the_engine_thread(tiny, fail):
+    """A reservation on a GPU hands its READ an event that completes once the device has run what the engine
+    launched (a step launched ahead may still write into pages freed on the host). The READ is posted only then,
+    while the engine thread goes on stepping other requests; a failed wait fails the transfer cleanly and ends the
+    lease. There is no GPU here, so the event is a stand-in injected into the decode engine's process."""
+    host = ray.get(tiny.decode.handle.__ray_call__.remote(lambda r: r.group.host))
+    reference = tiny.generate(requests(TINY_PROMPTS[2:3], tag=f"settle-ref-{fail}"))[0]
+    read_before = hold_stats(tiny)["read"]
+    ticket, busy = tiny.prefill_all(requests(TINY_PROMPTS[2:3], tag=f"settle-{fail}")
+                                    + requests([[(5 * j) % 120 + 1 for j in range(9)]], 480, f"busy-{fail}"))
+    steps = tiny.decode.handle.decode.options(num_returns="streaming").remote(busy)
+    busy_chunks = [ray.get(next(steps))]         # decoding (its own reservation came before the stand-in)
+    arrivals = []
+
+    def follow_busy():
+        for ref in steps:
+            busy_chunks.append(ray.get(ref))
+            arrivals.append(time.monotonic())
+
+    follower = threading.Thread(target=follow_busy)
+    ray.get(host.__ray_call__.remote(_settle_slowly, 1.5, fail))
+    try:
+        follower.start()
+        start = time.monotonic()
+        chunks = decode_chunks(tiny.decode, ticket)
+        follower.join(60)
+    finally:
+        ray.get(host.__ray_call__.remote(_settle_at_once))
+    assert busy_chunks[-1]["finished"] and sum(len(c["token_ids"]) for c in busy_chunks) == 480
+    if fail:
+        assert [c["type"] for c in chunks] == ["error"] and chunks[0]["error_type"] == "transfer_error", chunks
+        assert "waiting for the device before the READ failed" in chunks[0]["message"]
+        wait_until(lambda: tiny.prefill.pages_in_use() == 0, 5)       # the lease ended, not left to time out
+        assert hold_stats(tiny)["read"] == read_before + 2
+        return
+    transfer = chunks[0]["transfer"]
+    assert transfer["read_s"] >= 1.4 > transfer["seconds"], transfer      # posted after the wait, not during it
+    # The engine thread stepped the other request on while the READ waited.
+    assert any(start + 0.3 < t < start + 1.2 for t in arrivals), [round(t - start, 2) for t in arrivals]
+    assert sum((c["token_ids"] for c in chunks), []) == reference.token_ids
+
+
 def test_failed_transfer_fails_the_request_and_frees_both_sides(tiny):
     """The decode side registers the prefill peer with descriptors that point outside its registered memory
     (as after the peer re-registered its pool): NIXL itself refuses the READ."""
