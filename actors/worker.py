@@ -206,7 +206,8 @@ class RankGroup:
             name=f"{self.agent_name(0)}-worker", namespace=KV_MANAGER_NAMESPACE, num_cpus=0,
             num_gpus=_rank0_gpu_share(transfers) if gpu else 0, scheduling_strategy=_beside_me(0), max_restarts=0,
         ).remote(config, self.kv_managers[0] if transfers else None, kv_managers=self.kv_managers,
-                 kv_manager_names=[self.agent_name(r) for r in range(len(self.kv_managers))], num_threads=num_threads, tp_size=tp_size, tp_address=address)
+                 kv_manager_names=[self.agent_name(r) for r in range(len(self.kv_managers))], num_threads=num_threads,
+                 tp_size=tp_size, tp_address=address)
         try:
             # Under TP rank 0 joins the process group (every rank must be starting) and loads its shard.
             ray.get([rank.ready.remote() for rank in [self.host, *self.remote_ranks]])

@@ -129,6 +129,16 @@ def _phase_sum(means: dict) -> float | None:
     return sum(phases) if phases else None
 
 
+def format_paired(p: dict) -> str:
+    def ms(v):
+        return "-" if v is None else f"{v * 1e3:.2f}"
+
+    ratio = "-" if p["ttft_delta_s"] is None or not p["mean_read_s"] else f"{p['ttft_delta_s'] / p['mean_read_s']:.1f}"
+    return (f"paired, one request at a time ({p['pairs']} prompts, agg and disagg in turn): disagg - agg TTFT "
+            f"{ms(p['ttft_delta_s'])} ms (median), READ {ms(p['mean_read_s'])} ms, ratio {ratio}; first inter-token "
+            f"gap disagg - agg {ms(p['first_gap_delta_s'])} ms (the hand-off's stall)")
+
+
 def _median(values):
     values = sorted(v for v in values if v is not None)
     return values[len(values) // 2] if values else None
@@ -150,6 +160,41 @@ def _ratios(summaries: list[dict], offline: list[dict]) -> str:
         rows.append(f"| {c} | {tput['agg'] / off:.2f} | {tput['disagg'] / off:.2f} | {delta:.2f} | "
                     + (f"{read * 1e3:.3f} | {delta / (read * 1e3):.1f} |" if read else "- | - |"))
     return "\n".join(rows)
+
+
+def paired(urls: dict[str, str], args) -> dict:
+    """One request at a time, each prompt to the aggregated then the disaggregated app (the order alternating from
+    pair to pair), so that both see the machine in the same state: the median over pairs of what disaggregation adds
+    to TTFT and to the first inter-token gap (the hand-off's stall), against the mean READ of those requests."""
+    import asyncio
+
+    import httpx
+
+    from serve_app.bench import _one, _prompts
+
+    ns = _bench_args(urls["agg"], "paired", 1, args)
+    ns.num_requests, ns.output_len = args.paired, 8
+    model = httpx.get(f"{urls['agg']}/v1/models", timeout=30).json()["data"][0]["id"]
+    before = _histograms(urls["disagg"])
+
+    async def run() -> list[dict]:
+        results = []
+        async with httpx.AsyncClient(timeout=120) as client:
+            for i, prompt in enumerate(_prompts(ns)):
+                order = ("agg", "disagg") if i % 2 == 0 else ("disagg", "agg")
+                pair = {name: await _one(client, urls[name], model, prompt, ns) for name in order}
+                if all(r.ok and r.itl for r in pair.values()):
+                    results.append(pair)
+        return results
+
+    pairs = asyncio.run(run())
+    after = _histograms(urls["disagg"])
+    reads = after["read_s"][1] - before["read_s"][1]
+    read = (after["read_s"][0] - before["read_s"][0]) / reads if reads else None
+    ttft = sorted(p["disagg"].ttft - p["agg"].ttft for p in pairs)
+    gap = sorted(p["disagg"].itl[0] - p["agg"].itl[0] for p in pairs)
+    return {"pairs": len(pairs), "ttft_delta_s": ttft[len(ttft) // 2] if ttft else None,
+            "first_gap_delta_s": gap[len(gap) // 2] if gap else None, "mean_read_s": read}
 
 
 def _serve_mode(mode: str) -> dict[str, str]:
@@ -176,6 +221,9 @@ def main() -> int:
                    help="nice value of the Ray workers (Ray's own default is 15); the offline engine runs at 0")
     p.add_argument("--client-processes", type=int, default=1,
                    help="load client processes per run (dflash-serve bench --client-processes)")
+    p.add_argument("--paired", type=int, default=24, metavar="N",
+                   help="after the load runs, N prompts one at a time to each app in turn: paired TTFT and first-gap "
+                        "differences (0: skip)")
     p.add_argument("--serve-mode", choices=["throughput", "default"], default="throughput",
                    help="throughput: Ray Serve's high-throughput mode, as dflash-serve up runs it (SERVE_ENV in "
                         "serve_app/config.py); default: Serve's own defaults (its Python HTTP proxy, Ray calls "
@@ -214,6 +262,8 @@ def main() -> int:
             for name in ("agg", "disagg"):
                 url = f"http://127.0.0.1:{port}/{name}"
                 summaries.append(measured_run(url, _bench_args(url, name, concurrency, args)))
+        pairs = paired({name: f"http://127.0.0.1:{port}/{name}" for name in ("agg", "disagg")}, args) \
+            if args.paired else None
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -227,13 +277,15 @@ def main() -> int:
           f"Serve mode {args.serve_mode} ({serving})")
     print(format_table(summaries))
     print(_ratios(summaries, offline))
+    if pairs:
+        print(format_paired(pairs))
     print("| offline | conc | req/s | out tok/s | E2E p50 (batch) ms | AL |\n|---|---|---|---|---|---|")
     for o in offline:
         al = o["mean_acceptance_length"]
         print(f"| offline | {o['max_concurrency']} | {o['request_throughput']:.2f} | {o['output_throughput']:.1f} | "
               f"{o['e2e_p50_s'] * 1000:.1f} | {'-' if al is None else f'{al:.3f}'} |")
     (out / "serve_bench.json").write_text(json.dumps({"pair": pair, "http": [public(s) for s in summaries],
-                                                      "offline": offline}, indent=1))
+                                                      "offline": offline, "paired": pairs}, indent=1))
     plot(summaries, str(out / "serve_bench.png"))
     print(f"wrote {out / 'serve_bench.json'} and {out / 'serve_bench.png'}")
     return 0
