@@ -295,8 +295,9 @@ class EngineHost(RankWorker):
                          plan: list[list[int]], draft_context: bool, reserve_timeout_s: float,
                          read_timeout_s: float, began: float) -> None:
         """The take-over's first output carries its transfer's statistics, with the seconds of its phases here:
-        ``reserve_s`` (waiting for pages), ``read_s`` (the lease checks and READs, from posting them to the last
-        one's end) and ``start_s`` (the engine thread starting the request's decoding)."""
+        ``reserve_s`` (waiting for pages), ``settle_s`` (waiting for the device before posting the READs, with the
+        lease checks on their way), ``read_s`` (the rest of the lease checks and READs, to the last one's end) and
+        ``start_s`` (the engine thread starting the request's decoding)."""
         request_id = pages.request_id
         try:
             refused = None
@@ -314,7 +315,7 @@ class EngineHost(RankWorker):
             reserved_at = time.perf_counter()
             stats, error = await self._read(pages, tables, reused, plan, draft_context, read_timeout_s, settled)
             read_at = time.perf_counter()
-            stats.update(reserve_s=reserved_at - began, read_s=read_at - reserved_at)
+            stats.update(reserve_s=reserved_at - began, read_s=read_at - reserved_at - stats.get("settle_s", 0.0))
             taking.stream.first_extra = {"transfer": stats}
 
             def finish(e: LLMEngine) -> None:
@@ -361,6 +362,7 @@ class EngineHost(RankWorker):
                 await asyncio.to_thread(settled.synchronize)
         except Exception as e:       # the device failed: nothing is READ
             unsettled = TransferError(f"waiting for the device before the READ failed: {e}")
+        posted = time.perf_counter()
         reads = [] if unsettled is not None else [
             self.kv_managers[rank].read.remote(None, pages.peer_agents[source], [t[reused:] for t in pages.tables],
                                                [t[reused:] for t in tables], draft_context, timeout_s, readers[source])
@@ -385,7 +387,7 @@ class EngineHost(RankWorker):
                 await asyncio.to_thread(pages.cancel)
             return {}, error
         return {"bytes": sum(r["bytes"] for r in reads), "seconds": max(r["seconds"] for r in reads),
-                "lease_seconds": max(answered) - start,
+                "lease_seconds": max(answered) - start, "settle_s": posted - start,
                 "descriptors": sum(r["descriptors"] for r in reads), "tables": tables, "reused_pages": reused,
                 "transport": "+".join(sorted({r["transport"] for r in reads}))}, None
 

@@ -22,6 +22,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from serve_app.metrics import HANDOFF_PHASES  # noqa: E402
+
 
 def _pair(args) -> tuple[str, str, str]:
     demo = REPO / "models" / "demo"
@@ -79,7 +81,7 @@ HISTOGRAMS = {"read_s": "dflash_kv_transfer_latency_seconds", "ttft_s": "dflash_
               "queue_s": "dflash_request_queue_time_seconds", "prefill_s": "dflash_request_prefill_time_seconds",
               "decode_s": "dflash_request_decode_time_seconds", "e2e_s": "dflash_e2e_request_latency_seconds",
               "handoff_s": "dflash_kv_handoff_seconds",
-              **{f"handoff_{p}_s": ("dflash_kv_handoff_phase_seconds", p) for p in ("reserve", "read", "start")}}
+              **{f"handoff_{p}_s": ("dflash_kv_handoff_phase_seconds", p) for p in HANDOFF_PHASES}}
 
 
 def _histograms(url: str) -> dict[str, tuple[float, float]]:

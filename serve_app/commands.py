@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -67,6 +68,25 @@ def _check_checkpoints(service) -> None:
                                     "train it or pass --config / --model)")
 
 
+class PortInUse(ValueError):
+    """The service's HTTP port is taken on this machine."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse at once a port that something listens on already (another service, or the HAProxy of a dflash-serve
+    whose processes were killed rather than stopped): Serve would start the whole cluster first, then fail to bind
+    it with a message about HAProxy."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)      # as servers do: TIME_WAIT is no conflict
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise PortInUse(f"{host}:{port} is taken ({e.strerror}): another process listens there (a HAProxy left "
+                            "behind by a dflash-serve that was killed, not stopped, is one); stop it or pass "
+                            "--port") from e
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from serve_app.config import serve_env
 
@@ -79,6 +99,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     service, host, port = _service_from_args(args)
     _check_checkpoints(service)
+    address = os.environ.get("RAY_ADDRESS")
+    if not address:       # a cluster of its own: nothing of it can hold the port yet
+        check_port_free(host, port)
     # SIGINT and SIGTERM both shut down cleanly, also when started from a shell that ignores SIGINT in
     # background jobs (Python keeps an inherited SIG_IGN, so Ctrl-C's signal would do nothing).
     def stop(signum, frame):
@@ -86,7 +109,6 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **serving}}
-    address = os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, runtime_env=env, configure_logging=False)
     else:

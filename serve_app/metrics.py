@@ -25,7 +25,7 @@ prometheus_client.disable_created_metrics()
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
-HANDOFF_PHASES = ("reserve", "read", "start")     # EngineHost._take_over's, in order
+HANDOFF_PHASES = ("reserve", "settle", "read", "start")     # EngineHost._take_over's, in order
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 STALE_REPORTS = 3      # a replica that missed this many reports in a row is gone (scaled down or dead) ...
 STALE_GRACE_S = 2.0    # ... plus this long: a loaded host delays a report thread by a second or more
@@ -183,8 +183,9 @@ class ServiceMetrics:
         self.handoff = Histogram("dflash_kv_handoff_seconds", "From a prefill's result at the ingress to the decode "
                                  "replica's first output there", m, buckets=TRANSFER_BUCKETS, registry=r)
         self.handoff_phase = Histogram("dflash_kv_handoff_phase_seconds", "A decode take-over's phases in the decode "
-                                       "engine's process: reserve (waiting for pages), read (lease checks and READs), "
-                                       "start (the engine starting to decode)", m + ["phase"],
+                                       "engine's process: reserve (waiting for pages), settle (waiting for the device "
+                                       "to finish with them), read (lease checks and READs), start (the engine "
+                                       "starting to decode)", m + ["phase"],
                                        buckets=TRANSFER_BUCKETS, registry=r)
         self.transfer_reused_pages = Counter("dflash_kv_transfer_reused_pages", "Prompt pages a decode replica took "
                                              "from its own prefix cache instead of READing them", m, registry=r)

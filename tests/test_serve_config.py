@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from serve_app.commands import check_port_free
 from serve_app.config import SERVE_ENV, ConfigError, ServiceConfig, load_config_file, parse_service_config, serve_env
 
 CONFIGS = Path(__file__).resolve().parents[1] / "cluster_configs"
@@ -112,6 +113,24 @@ def test_cli_up_with_a_bad_config_exits_2_naming_the_field(tmp_path, capsys):
     bad.write_text("decode: {max_ongoing_requests: 0}\n")
     assert main(["up", "--config", str(bad)]) == 2
     assert "decode.max_ongoing_requests" in capsys.readouterr().err
+
+
+def test_cli_up_refuses_a_port_in_use_before_starting_anything(capsys):
+    """As when a killed service's HAProxy still holds the port: a clear error at once, no Ray cluster started."""
+    import socket
+
+    import ray
+
+    from serve_app.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["up", "--port", str(port)]) == 2
+    assert f"127.0.0.1:{port} is taken" in capsys.readouterr().err
+    assert not ray.is_initialized()
+    check_port_free("127.0.0.1", port)       # free again once its listener closed
 
 
 def test_defaults_are_the_demo_pair_disaggregated():
