@@ -115,7 +115,7 @@ def test_cli_up_with_a_bad_config_exits_2_naming_the_field(tmp_path, capsys):
     assert "decode.max_ongoing_requests" in capsys.readouterr().err
 
 
-def test_cli_up_refuses_a_port_in_use_before_starting_anything(capsys):
+def test_cli_up_refuses_a_port_in_use_before_starting_anything(capsys, monkeypatch):
     """As when a killed service's HAProxy still holds the port: a clear error at once, no Ray cluster started."""
     import socket
 
@@ -123,13 +123,16 @@ def test_cli_up_refuses_a_port_in_use_before_starting_anything(capsys):
 
     from serve_app.cli import main
 
+    def no_cluster(*args, **kwargs):
+        raise AssertionError("ray.init was called for a port that is taken")
+
+    monkeypatch.setattr(ray, "init", no_cluster)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         assert main(["up", "--port", str(port)]) == 2
     assert f"127.0.0.1:{port} is taken" in capsys.readouterr().err
-    assert not ray.is_initialized()
     check_port_free("127.0.0.1", port)       # free again once its listener closed
 
 
