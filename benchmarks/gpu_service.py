@@ -359,6 +359,9 @@ def main() -> int:
     p.add_argument("--serve-mode", choices=["throughput", "default"], default="throughput",
                    help="as in benchmarks/serve_bench.py")
     p.add_argument("--client-processes", type=int, default=1, help="load client processes per run")
+    p.add_argument("--paired", type=int, default=24, metavar="N",
+                   help="throughput: after the load runs, N fresh prompts one at a time to each app in turn "
+                        "(as in benchmarks/serve_bench.py; 0: none)")
     args = p.parse_args()
     from benchmarks.serve_bench import _serve_mode
 
@@ -428,6 +431,12 @@ def main() -> int:
                         for summary in batch:
                             summary["variant"] = variant
                         summaries += batch
+                        if args.paired and not n:
+                            from benchmarks.serve_bench import format_paired, paired
+
+                            result["paired"] = paired(urls, argparse.Namespace(
+                                paired=args.paired, prompt_file=None, input_len=64, output_len=8, min_requests=1))
+                            print(format_paired(result["paired"]), flush=True)
                 for name in list(urls):
                     if name in serve.status().applications:
                         serve.delete(name)
@@ -504,6 +513,10 @@ def print_tables(result: dict) -> None:
                           f"{o['prefill_steps']}, p50 {o['prefill_step_ms_p50']:.2f} ms, "
                           f"{o['prefill_step_s_total']:.2f} s; the others: {o['decode_steps']}, "
                           f"p50 {o['decode_step_ms_p50']:.2f} ms, {o['decode_step_s_total']:.2f} s")
+    if result.get("paired"):
+        from benchmarks.serve_bench import format_paired
+
+        print("\n" + format_paired(result["paired"]))
 
 
 if __name__ == "__main__":
