@@ -7,17 +7,19 @@ actor of its own on the replica's node and GPU share. Ray starts, places and sup
 inspection calls); the hot traffic goes over a local socket between the two processes, opened once
 (``EngineClient.connect``), where an actor call would cost a millisecond or more per crossing each way:
 
-- commands (add, abort, release, take over a prefilled request, fail), host-bound, run in the order sent (a
-  stream keeps it: an abort never overtakes the add it aborts); a command that has a result gets a reply;
+- commands (add, abort, release, stand by for a prefilled request and take its ticket, fail), host-bound, run in
+  the order sent (a stream keeps it: an abort never overtakes the add it aborts); a command that has a result gets
+  a reply;
 - outputs, replica-bound: one message per engine step with what that step handed over for every request (token
   chunks, finishing results, errors), and the replies.
 
 The socket is in Linux's abstract namespace (nothing on disk to clean up) and takes one connection, which must
 first present a random key that only the actor's caller learns: a frame is unpickled only after that.
 
-A decode replica's take-over runs here, next to the engine: the reservation of pages, the READs (by the ranks' KV
-managers) and the start of decoding cost the replica's process one command, and the first output arrives on the
-request's stream like any other.
+A decode replica's take-over runs here, next to the engine: the reservation of pages (made while the prefill runs),
+the READs (by the ranks' KV managers) and the start of decoding cost the replica's process one command, the ticket
+comes straight from the ingress (``hand``, an actor call), and the first output arrives on the request's stream like
+any other.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from actors.engine_loop import EngineStopped, ReservationQueue, hand_over, name_
 from actors.nixl_transfer import TransferError
 from actors.worker import RankWorker, kv_manager
 from engine.llm_engine import LLMEngine, RequestOutput
-from engine.sequence import SamplingParams
+from engine.sequence import SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,17 @@ class PrefillPages:
                 pass
 
 
+@dataclasses.dataclass(frozen=True)
+class Handoff:
+    """What a prefill's ticket brings to a decode take-over standing by for it (``EngineHost.hand``): the pages to
+    READ, the first token, and the prefill ranks' descriptions (to register them the first time)."""
+
+    pages: PrefillPages
+    first_token: int
+    first_logprob: TokenLogprob | None
+    rank_infos: list[str]
+
+
 class _Forward:
     """A request's stream on the host: what the engine loop hands over goes to the outbox, tagged; the first output
     as a chunk with ``first_extra`` in it when that is set (a take-over's transfer statistics)."""
@@ -97,10 +110,14 @@ class _Forward:
 
 @dataclasses.dataclass
 class _TakeOver:
-    """A decode take-over in progress: its stream, its task (held here: the event loop keeps only a weak
-    reference), and whether the replica aborted it."""
+    """A decode take-over in progress: its stream, its parameters, its reservation's waiter, the future its
+    ``Handoff`` arrives in (None: it will not, the replica aborted it or it stopped waiting), its task (held here:
+    the event loop keeps only a weak reference), and whether the replica aborted it."""
 
     stream: _Forward
+    params: SamplingParams
+    waiter: concurrent.futures.Future
+    handed: asyncio.Future
     task: asyncio.Task | None = None
     cancelled: bool = False
 
@@ -151,6 +168,7 @@ class EngineHost(RankWorker):
         self.kv_managers = list(kv_managers)      # every rank's, in rank order: they READ a take-over's pages
         self.kv_manager_names = list(kv_manager_names)      # their names: the readers the lease checks name
         self._peers: dict[str, Any] = {}          # prefill KV managers by name (a first lookup is a call to Ray's GCS)
+        self._plans: dict[str, list[list[int]]] = {}    # per prefill replica (its rank 0's agent): _plan's
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._reservations = ReservationQueue(self.loop)
         self._taking: dict[str, _TakeOver] = {}
@@ -273,44 +291,93 @@ class EngineHost(RankWorker):
         if taking is not None:            # still waiting for pages: stop waiting; granted: freed, never READ
             taking.cancelled = True
             self.loop.submit(lambda _: self._reservations.forget(request_id))
+            if not taking.handed.done():        # standing by for its ticket: stop
+                taking.handed.set_result(None)
 
     def _do_release(self, request_id: str) -> None:
         self.loop.submit(lambda e: e.release(request_id))
 
-    def _do_take_over(self, pages: PrefillPages, attempt: Callable[[LLMEngine], Any], plan: list[list[int]],
-                      draft_context: bool, reserve_timeout_s: float, read_timeout_s: float) -> None:
-        """Decode side: reserve pages for a prefilled request (``attempt``: ``actors.replica._reserve``), have
+    def _do_stand_by(self, request_id: str, params: SamplingParams, attempt: Callable[[LLMEngine], Any],
+                     draft_context: bool, ticket_timeout_s: float, reserve_timeout_s: float,
+                     read_timeout_s: float) -> None:
+        """Decode side, sent as the prefill starts: reserve pages for the request's prompt (``attempt``:
+        ``actors.replica._reserve``) and stand by for its ticket (``hand``, at most ``ticket_timeout_s``); then have
         every rank's KV manager READ its KV into them, and start decoding it. Its stream gets the first output,
-        carrying the transfer's statistics, or an error chunk. An abort stops it wherever it is, and its pages
-        are freed only once no READ can write into them."""
-        began = time.perf_counter()
-        request_id = pages.request_id
-        taking = self._taking[request_id] = _TakeOver(self._open(request_id))
-        waiter = self._reservations.begin(request_id, attempt)
+        carrying the transfer's statistics, or an error chunk. An abort stops it wherever it is, and its pages are
+        freed only once no READ can write into them."""
+        if request_id in self._taking:
+            raise ValueError(f"request id {request_id!r} already awaits a transfer here")
+        taking = self._taking[request_id] = _TakeOver(self._open(request_id), params,
+                                                      self._reservations.begin(request_id, attempt),
+                                                      asyncio.get_running_loop().create_future())
         taking.task = asyncio.get_running_loop().create_task(
-            self._take_over(pages, taking, waiter, plan, draft_context, reserve_timeout_s, read_timeout_s, began),
+            self._take_over(request_id, taking, draft_context, ticket_timeout_s, reserve_timeout_s, read_timeout_s),
             context=contextvars.Context())
 
-    async def _take_over(self, pages: PrefillPages, taking: _TakeOver, waiter: concurrent.futures.Future,
-                         plan: list[list[int]], draft_context: bool, reserve_timeout_s: float,
-                         read_timeout_s: float, began: float) -> None:
-        """The take-over's first output carries its transfer's statistics, with the seconds of its phases here:
-        ``reserve_s`` (waiting for pages), ``settle_s`` (waiting for the device before posting the READs, with the
-        lease checks on their way), ``read_s`` (the rest of the lease checks and READs, to the last one's end) and
-        ``start_s`` (the engine thread starting the request's decoding)."""
-        request_id = pages.request_id
+    def _do_hand(self, handoff: Handoff) -> bool:
+        """The ticket of a take-over standing by here: True if it takes it; False if none does (aborted, timed out,
+        never stood by), and then the prefill pages are given back."""
+        taking = self._taking.get(handoff.pages.request_id)
+        if taking is None or taking.handed.done():
+            self._keep(asyncio.ensure_future(asyncio.to_thread(handoff.pages.cancel)))
+            return False
+        taking.handed.set_result(handoff)
+        return True
+
+    async def hand(self, handoff: Handoff) -> bool:
+        """``_do_hand`` as an actor call: the ingress hands the ticket straight to this process, not through the
+        decode replica (whose stream told it this actor's name)."""
+        return self._do_hand(handoff)
+
+    async def drop(self, request_id: str) -> None:
+        """The take-over standing by for ``request_id`` will get no ticket (its request ended at the prefill, or its
+        client went away): it frees its reservation and ends its stream."""
+        taking = self._taking.get(request_id)
+        if taking is not None and not taking.handed.done():
+            taking.handed.set_result(None)
+
+    async def _take_over(self, request_id: str, taking: _TakeOver, draft_context: bool, ticket_timeout_s: float,
+                         reserve_timeout_s: float, read_timeout_s: float) -> None:
+        """The take-over's first output carries its transfer's statistics, with the seconds of its phases here,
+        counted from its ticket's arrival: ``reserve_s`` (waiting for pages, if they were not reserved by then),
+        ``settle_s`` (waiting for the device before posting the READs, with the lease checks on their way),
+        ``read_s`` (the rest of the lease checks and READs, to the last one's end) and ``start_s`` (the engine
+        thread starting the request's decoding)."""
+        handoff = None
         try:
             refused = None
             try:
-                reserved = await self._reservations.wait(request_id, waiter, reserve_timeout_s)
-            except Exception as e:
-                reserved, refused = None, refusal(e)
-            if reserved is None or taking.cancelled:
-                await asyncio.to_thread(pages.cancel)       # nothing READs the prefill pages: give them back
-                if reserved is not None:       # granted as the replica went away: no READ touches these pages
+                handoff = await asyncio.wait_for(asyncio.shield(taking.handed), ticket_timeout_s)
+            except asyncio.TimeoutError:
+                refused = error_chunk(504, f"the prefill's result did not reach the decode replica within "
+                                           f"{ticket_timeout_s:g} s", "timeout")
+            began = time.perf_counter()
+            plan = None
+            if handoff is not None and not taking.cancelled:
+                try:
+                    self.engine.check_first_token(taking.params, handoff.first_token, handoff.first_logprob)
+                    plan = await self._plan(handoff)
+                except Exception as e:      # a bad first token, a peer that does not match: refused, nothing READ
+                    refused = refusal(e)
+            reserved = None
+            if plan is not None and not taking.cancelled:
+                try:
+                    reserved = await self._reservations.wait(request_id, taking.waiter, reserve_timeout_s)
+                except Exception as e:
+                    refused = refusal(e)
+                if reserved is None and refused is None:
+                    refused = error_chunk(503, "no decode KV pages free", "overloaded")
+            else:       # not going ahead: take back the reservation, or learn it was granted
+                reserved = await self._reservations.withdraw(request_id, taking.waiter)
+            if plan is None or refused is not None or taking.cancelled:
+                if handoff is not None:     # nothing READs the prefill pages: give them back
+                    await asyncio.to_thread(handoff.pages.cancel)
+                if reserved is not None:       # granted, and no READ touches these pages: free them
                     self.loop.submit(lambda e: e.finish_transfer(request_id, False))
-                self.loop.deliver([(request_id, refused or error_chunk(503, "no decode KV pages free", "overloaded"))])
+                self.loop.deliver([(request_id, refused or error_chunk(499, "the request ended before its decode",
+                                                                       "aborted"))])
                 return
+            pages = handoff.pages
             tables, reused, settled = reserved
             reserved_at = time.perf_counter()
             stats, error = await self._read(pages, tables, reused, plan, draft_context, read_timeout_s, settled)
@@ -319,7 +386,11 @@ class EngineHost(RankWorker):
             taking.stream.first_extra = {"transfer": stats}
 
             def finish(e: LLMEngine) -> None:
-                out = e.finish_transfer(request_id, error is None, draft_context=draft_context)
+                try:
+                    out = e.finish_transfer(request_id, error is None, draft_context=draft_context,
+                                            first_token=handoff.first_token, first_logprob=handoff.first_logprob)
+                except ValueError as bad:      # the pages are freed; the request's stream is told
+                    out = bad
                 stats["start_s"] = time.perf_counter() - read_at
                 # Delivered from the engine thread, so it precedes this request's next step's output.
                 self.loop.deliver([(request_id, out if error is None else _transfer_failure(pages, error))])
@@ -330,6 +401,20 @@ class EngineHost(RankWorker):
             self.loop.deliver([(request_id, e)])
         finally:
             self._taking.pop(request_id, None)
+            if not taking.handed.done():
+                taking.handed.set_result(None)
+
+    async def _plan(self, handoff: Handoff) -> list[list[int]]:
+        """Per decode rank, the prefill ranks it READs from (every decode rank registers every prefill rank once per
+        prefill replica). PeerMismatchError (page size, layer counts, dtypes, a TP split that cannot be mapped)
+        names both values."""
+        agents = handoff.pages.peer_agents
+        plan = self._plans.get(agents[0])
+        if plan is None:
+            peers = await asyncio.to_thread(lambda: [kv_manager(agent) for agent in agents])
+            plan = self._plans[agents[0]] = await asyncio.gather(
+                *(kvm.register_peers.remote(handoff.rank_infos, peers) for kvm in self.kv_managers))
+        return plan
 
     async def _read(self, pages: PrefillPages, tables: list[list[int]], reused: int, plan: list[list[int]],
                     draft_context: bool, timeout_s: float, settled=None) -> tuple[dict, BaseException | None]:
@@ -577,16 +662,29 @@ class EngineClient:
         except EngineStopped:
             pass
 
-    def take_over(self, pages: PrefillPages, attempt: Callable[[LLMEngine], Any], plan: list[list[int]],
-                  draft_context: bool, reserve_timeout_s: float, read_timeout_s: float) -> dict | None:
-        """Have the host reserve pages for a prefilled request's prompt, READ its KV and start decoding it
-        (``EngineHost._do_take_over``); its stream must be open. None once sent, or the error chunk when the
-        engine has stopped. Nothing to await: its outcome arrives on the stream, and ``abort`` stops it."""
+    async def stand_by(self, request_id: str, params: SamplingParams, attempt: Callable[[LLMEngine], Any],
+                       draft_context: bool, ticket_timeout_s: float, reserve_timeout_s: float,
+                       read_timeout_s: float) -> dict | None:
+        """Have the host reserve pages for a request whose prefill runs elsewhere and stand by for its ticket (then
+        READ its KV and start decoding it: ``EngineHost._do_stand_by``); its stream must be open. None once the
+        host stands by (a ``hand`` may come from now on), or the error chunk that refused it. Its outcome arrives
+        on the stream, and ``abort`` stops it."""
         try:
-            self._command("take_over", pages, attempt, plan, draft_context, reserve_timeout_s, read_timeout_s)
+            await asyncio.wrap_future(self._command("stand_by", request_id, params, attempt, draft_context,
+                                                    ticket_timeout_s, reserve_timeout_s, read_timeout_s, reply=True))
         except EngineStopped as e:
             return error_from(e)
+        except ValueError as e:
+            return error_chunk(400, str(e), "invalid_request_error")
         return None
+
+    def hand(self, handoff: Handoff) -> None:
+        """A standing-by take-over's ticket, over the socket (the offline driver; the service's ingress calls the
+        host's ``hand`` directly). Were none standing by, the host gives the prefill pages back."""
+        try:
+            self._command("hand", handoff)
+        except EngineStopped:       # nothing stands by any more: the pages go back to the prefill side
+            handoff.pages.cancel()
 
     def fail(self, error: EngineStopped) -> None:
         """Stop serving for good: open streams end with ``error`` now, later commands are refused, and the host

@@ -250,6 +250,14 @@ class ReservationQueue:
         except asyncio.TimeoutError:
             return await self.loop.call(lambda _: self._give_up(request_id, waiter))
 
+    async def withdraw(self, request_id: str, waiter: concurrent.futures.Future) -> Any:
+        """Stop waiting now: the grant, if one came first (the caller undoes it), else None (a failed attempt too)."""
+        def give_up(_) -> Any:
+            self._waiting.pop(request_id, None)
+            return waiter.result() if waiter.done() and waiter.exception() is None else None
+
+        return await self.loop.call(give_up)
+
     def forget(self, request_id: str) -> None:
         """Loop thread: stop waiting for ``request_id`` (a grant already made stands; a waiter gets None)."""
         entry = self._waiting.pop(request_id, None)

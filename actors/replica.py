@@ -24,9 +24,9 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 
 from actors.chunks import error_chunk, merge_chunks
-from actors.engine_host import PrefillPages, refusal
+from actors.engine_host import Handoff, PrefillPages
 from actors.engine_loop import EngineStopped
-from actors.worker import RankGroup, RankProblem, freeze_heap, kv_manager
+from actors.worker import RankGroup, RankProblem, freeze_heap
 from engine.llm import EngineConfig
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sequence import SamplingParams, SpecStats, TokenLogprob
@@ -83,6 +83,10 @@ class Ticket:
         """What the decode side's engine process needs to READ the prompt's pages or give them back."""
         return PrefillPages(self.request_id, self.tables, self.leases, self.peer_agents)
 
+    def handoff(self) -> Handoff:
+        """What a decode take-over standing by for this request needs from its ticket."""
+        return Handoff(self.pages(), self.first_token, self.first_logprob, list(self.rank_infos))
+
     def cancel(self) -> None:
         """Give the held pages back now (the request will not be decoded). Safe to call from a request that
         is being cancelled."""
@@ -98,8 +102,9 @@ class EngineReplica:
     def __init__(self, config: EngineConfig, *, tp_size: int = 1, num_threads: int = 1,
                  hold_timeout_s: float = 30.0, transfer_draft_kv: bool = True, read_timeout_s: float = 10.0,
                  reserve_timeout_s: float = 10.0, read_delay_s: float = 0.0, kv_transport: str = "auto",
-                 stream_interval: int = 1):
+                 stream_interval: int = 1, ticket_timeout_s: float = 300.0):
         self.config = config
+        self.ticket_timeout_s = ticket_timeout_s
         self.stream_interval = stream_interval
         self.transfer_draft_kv = transfer_draft_kv
         self.read_timeout_s = read_timeout_s
@@ -324,13 +329,12 @@ class PrefillReplica(EngineReplica):
             kvm.hold.remote(request_id, lease, self.hold_timeout_s)
 
 
-def _reserve(request_id: str, prompt_token_ids: list[int], first_token: int, params: SamplingParams,
-             first_logprob: TokenLogprob | None, num_pages: int, reuse_prefix: bool, e: LLMEngine):
-    """On the decode engine's thread: the prompt's pages per space, how many leading ones are reused, and what the
-    READ must wait for before writing into them (``LLMEngine.pages_settled``), or None while the pool lacks
-    pages."""
-    request = e.reserve_transfer(prompt_token_ids, first_token, params, request_id=request_id,
-                                 first_logprob=first_logprob, reuse_prefix=reuse_prefix)
+def _reserve(request_id: str, prompt_token_ids: list[int], params: SamplingParams, num_pages: int,
+             reuse_prefix: bool, e: LLMEngine):
+    """On the decode engine's thread: the prompt's pages per space (reserved while the prefill runs: its first token
+    comes with the ticket), how many leading ones are reused, and what the READ must wait for before writing into
+    them (``LLMEngine.pages_settled``), or None while the pool lacks pages."""
+    request = e.reserve_transfer(prompt_token_ids, None, params, request_id=request_id, reuse_prefix=reuse_prefix)
     if request is None:
         return None
     return ([e.kv.block_table(request_id, s)[:num_pages] for s in range(len(e.kv.pools))],
@@ -338,54 +342,51 @@ def _reserve(request_id: str, prompt_token_ids: list[int], first_token: int, par
 
 
 class DecodeReplica(EngineReplica):
-    """Takes over prefilled requests: checks the peer, then its engine's process reserves pages, READs them with
-    NIXL and streams DFlash (``EngineHost._do_take_over``)."""
+    """Takes over prefilled requests. It is called as the prefill starts (``stand_by``): its engine's process
+    reserves the prompt's pages meanwhile and waits for the ticket, which the ingress hands to that process
+    directly; then it READs the pages with NIXL and streams DFlash (``EngineHost._do_stand_by``)."""
 
     role = "decode"
     transfers = True
 
-    def __init__(self, config: EngineConfig, **kwargs):
-        super().__init__(config, **kwargs)
-        # Per prefill replica (its rank 0's agent): per decode rank, the prefill ranks it READs from.
-        self._plans: dict[str, list[list[int]]] = {}
-
-    async def _connect(self, ticket: Ticket) -> list[list[int]]:
-        """Per decode rank, the prefill ranks it READs from (every decode rank registers every prefill rank once
-        per prefill replica)."""
-        plan = self._plans.get(ticket.peer_agents[0])
-        if plan is not None:
-            return plan
-        # PeerMismatchError (page size, layer counts, dtypes, a TP split that cannot be mapped) propagates: the
-        # request fails, naming both values.
-        peers = await asyncio.to_thread(lambda: [kv_manager(agent) for agent in ticket.peer_agents])
-        plan = await asyncio.gather(*(kvm.register_peers.remote(ticket.rank_infos, peers)
-                                      for kvm in self.group.kv_managers))
-        self._plans[ticket.peer_agents[0]] = plan
-        return plan
+    async def stand_by(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+                       ) -> AsyncIterator[dict]:
+        """A chunk ``{"type": "standby", "host": name}`` once this replica's engine process stands by for the
+        request's ticket (the caller hands it to the actor of that name: ``EngineHost.hand``), then the request's
+        chunks: the first carries ``transfer``. The request waits for pages as TRANSFERRING, never scheduled and
+        its pages never freed, behind older reservations while the pool is full (granted in the step that frees
+        pages; no timer), then its KV is READ once the ticket has come, and it decodes from the step after the
+        READ ends."""
+        async for chunk in self._decode(request_id, prompt_token_ids, params):
+            yield chunk
 
     async def decode(self, ticket: Ticket) -> AsyncIterator[dict]:
-        """Move the ticket's KV here and stream the rest of its tokens (the first chunk carries ``transfer``).
-        The request waits for pages as TRANSFERRING, never scheduled and its pages never freed, behind older
-        reservations while the pool is full (granted in the step that frees pages; no timer), then its KV is
-        READ, and it decodes from the step after the READ ends."""
-        request_id = ticket.request_id
+        """``stand_by`` for a prefilled request whose ticket is here already (the offline driver): the ticket goes
+        to the engine's process over its socket, and no ``standby`` chunk is yielded."""
+        async for chunk in self._decode(ticket.request_id, ticket.prompt_token_ids, ticket.params, ticket):
+            yield chunk
+
+    async def _decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      ticket: Ticket | None = None) -> AsyncIterator[dict]:
         try:
             queue = self.engine.open_stream(request_id)
         except ValueError as e:       # the lease is the other request's: left alone
+            if ticket is not None:
+                ticket.cancel()
             yield in_use(e)
             return
         sent = False
         try:
+            num_pages = -(-len(prompt_token_ids) // self.engine.page_size)
+            attempt = functools.partial(_reserve, request_id, list(prompt_token_ids), params, num_pages,
+                                        self.transfer_draft_kv)
             try:
-                plan = await self._connect(ticket)
-            except Exception as e:
-                yield refusal(e)
-                return
-            num_pages = -(-len(ticket.prompt_token_ids) // self.engine.page_size)
-            attempt = functools.partial(_reserve, request_id, ticket.prompt_token_ids, ticket.first_token,
-                                        ticket.params, ticket.first_logprob, num_pages, self.transfer_draft_kv)
-            refused = self.engine.take_over(ticket.pages(), attempt, plan, self.transfer_draft_kv,
-                                            self.reserve_timeout_s, self.read_timeout_s)
+                refused = await self.engine.stand_by(request_id, params, attempt, self.transfer_draft_kv,
+                                                     self.ticket_timeout_s, self.reserve_timeout_s,
+                                                     self.read_timeout_s)
+            except BaseException:      # cancelled while the command was on its way: the host may stand by already
+                self.engine.abort(request_id)
+                raise
             if refused is not None:
                 yield refused
                 return
@@ -393,7 +394,16 @@ class DecodeReplica(EngineReplica):
         finally:
             if not sent:      # refused, or cancelled before the engine got it: nothing READs the prefill pages
                 self.engine.close_stream(request_id)
-                ticket.cancel()
+                if ticket is not None:
+                    ticket.cancel()
+        try:
+            if ticket is not None:
+                self.engine.hand(ticket.handoff())
+            else:
+                yield {"type": "standby", "host": self.group.host_name}
+        except BaseException:     # closed at the standby chunk (the caller went away): stop standing by
+            self.engine.abort(request_id)
+            raise
         async for chunk in self._stream(request_id, queue):
             yield chunk
 

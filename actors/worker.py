@@ -33,17 +33,21 @@ KV_MANAGER_NAMESPACE = "dflash"     # KV manager actors are named by their NIXL 
 KV_MANAGER_GPU_SHARE = 0.1
 
 
-_kv_managers: dict[str, object] = {}
+_rank_actors: dict[str, object] = {}
 
 
-def kv_manager(agent: str):
-    """The KVManagerActor named ``agent`` (looked up once per process: tickets carry names, not handles,
-    because a handle in a reply costs a registration with its owner)."""
+def rank_actor(name: str):
+    """The rank's actor named ``name`` in this project's namespace: a KVManagerActor (named by its NIXL agent) or a
+    replica's ``EngineHost`` (``RankGroup.host_name``), looked up once per process (tickets and streams carry
+    names, not handles, because a handle in a reply costs a registration with its owner)."""
     import ray
 
-    if agent not in _kv_managers:
-        _kv_managers[agent] = ray.get_actor(agent, namespace=KV_MANAGER_NAMESPACE)
-    return _kv_managers[agent]
+    if name not in _rank_actors:
+        _rank_actors[name] = ray.get_actor(name, namespace=KV_MANAGER_NAMESPACE)
+    return _rank_actors[name]
+
+
+kv_manager = rank_actor       # by its NIXL agent's name
 
 
 def build_engine(config: EngineConfig, allocate=None, tp: TensorParallel | None = None):
@@ -202,8 +206,9 @@ class RankGroup:
                      tp_size=tp_size, tp_rank=tp_rank, tp_address=address))
         # Rank 0 in a process of its own, on the replica's GPU share (less its KV manager's): the replica's process
         # keeps the per-request streaming, the engine's keeps the interpreter to itself.
+        self.host_name = f"{self.agent_name(0)}-worker"
         self.host = ray.remote(EngineHost).options(
-            name=f"{self.agent_name(0)}-worker", namespace=KV_MANAGER_NAMESPACE, num_cpus=0,
+            name=self.host_name, namespace=KV_MANAGER_NAMESPACE, num_cpus=0,
             num_gpus=_rank0_gpu_share(transfers) if gpu else 0, scheduling_strategy=_beside_me(0), max_restarts=0,
         ).remote(config, self.kv_managers[0] if transfers else None, kv_managers=self.kv_managers,
                  kv_manager_names=[self.agent_name(r) for r in range(len(self.kv_managers))], num_threads=num_threads,

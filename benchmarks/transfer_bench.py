@@ -42,7 +42,7 @@ RAY_CALLS_DETAIL = (
     "decode (a streaming call whose chunks return as generator items), the prefill replica's pending "
     "wait_released returning (then re-issued), and register_peer once per new prefill peer; each replica's "
     "commands to its engine process over their local socket, not Ray (prefill: start, release; decode: "
-    "take_over, which reserves the pages, READs them and starts decoding in that process). "
+    "stand_by, which reserves the pages, then the ticket, and it READs them and starts decoding in that process). "
     "One socket message per engine step from each engine process to its replica, whatever the batch.")
 
 

@@ -333,13 +333,15 @@ class LLMEngine:
                                                        self.eos_token_ids, self.model.device)
         return request
 
-    def reserve_transfer(self, prompt_token_ids: Sequence[int], first_token: int, params: SamplingParams,
+    def reserve_transfer(self, prompt_token_ids: Sequence[int], first_token: int | None, params: SamplingParams,
                          request_id: str | None = None, first_logprob: TokenLogprob | None = None,
                          reuse_prefix: bool = True) -> Request | None:
         """Decode side of a disaggregated request: allocate pages for a prompt whose KV a peer computed.
 
         Returns None (changing nothing) when the pool lacks pages now. The request waits in TRANSFERRING,
         never scheduled and its pages never freed, until ``finish_transfer`` says its READ has ended.
+        ``first_token``: the token the prefill sampled, or None when the pages are reserved before the prefill has
+        ended (its ticket brings the token to ``finish_transfer``).
         ``first_logprob``: the first token's entry from the prefill's output, required when ``params.logprobs``
         is set (the outputs then list every token's, as an aggregated engine's do).
         ``reuse_prefix``: the prompt's leading full pages that this engine's prefix cache holds (drafter context
@@ -348,23 +350,33 @@ class LLMEngine:
         layers will be cleared (the ablation), which must own every page it clears.
         """
         request_id, ids = self._validate(request_id, prompt_token_ids, params)
-        if not 0 <= first_token < self.model.config.vocab_size:
-            raise ValueError(f"first token {first_token} is outside the vocabulary")
-        if params.logprobs is not None and (first_logprob is None or first_logprob.token_id != first_token):
-            raise ValueError(f"logprobs={params.logprobs} needs first_logprob, the first token's entry from the "
-                             f"prefill output (token {first_token}), got {first_logprob!r}")
+        if first_token is not None:
+            self.check_first_token(params, first_token, first_logprob)
         prefix = self.kv.probe_prefix(ids) if reuse_prefix else None
         if not self.kv.allocate_slots(request_id, len(ids) + 1, prefix):
             return None
         request = self._new_request(request_id, ids, params, status=RequestStatus.TRANSFERRING)
         request.num_reused_tokens = prefix.num_tokens if prefix is not None else 0
-        request.output_token_ids.append(first_token)
-        if params.logprobs is not None:
-            request.output_logprobs.append(first_logprob)
+        if first_token is not None:
+            request.output_token_ids.append(first_token)
+            if params.logprobs is not None:
+                request.output_logprobs.append(first_logprob)
         self.requests[request_id] = request
         return request
 
-    def finish_transfer(self, request_id: str, landed: bool, draft_context: bool = True) -> RequestOutput | None:
+    def check_first_token(self, params: SamplingParams, first_token: int,
+                          first_logprob: TokenLogprob | None = None) -> None:
+        """ValueError unless ``first_token`` (and ``first_logprob``, when ``params.logprobs`` is set) can start a
+        transferred request. Reads nothing that a step changes: safe off the engine thread."""
+        if not 0 <= first_token < self.model.config.vocab_size:
+            raise ValueError(f"first token {first_token} is outside the vocabulary")
+        if params.logprobs is not None and (first_logprob is None or first_logprob.token_id != first_token):
+            raise ValueError(f"logprobs={params.logprobs} needs first_logprob, the first token's entry from the "
+                             f"prefill output (token {first_token}), got {first_logprob!r}")
+
+    def finish_transfer(self, request_id: str, landed: bool, draft_context: bool = True,
+                        first_token: int | None = None, first_logprob: TokenLogprob | None = None
+                        ) -> RequestOutput | None:
         """The READ into a TRANSFERRING request's pages has ended: start decoding it in the next step.
 
         ``landed=False`` (the READ failed) or an abort that came while the READ ran frees the pages now,
@@ -372,16 +384,34 @@ class LLMEngine:
         ``finished`` is set when the first token already ends the request, or when it was dropped).
         ``draft_context=False``: the draft layers did not travel; they are zeroed, and the drafter starts
         from that empty context (the ablation).
+        ``first_token`` (and ``first_logprob``): the prefill's first token, for a request reserved without it; a
+        bad one (or none for such a request) frees the pages and raises ValueError.
         """
         r = self.requests.get(request_id)
         if r is None or r.status != RequestStatus.TRANSFERRING:
             raise ValueError(f"request {request_id!r} is not awaiting a transfer")
-        if not landed or r.abort_after_transfer:
+        bad = None
+        if landed and not r.abort_after_transfer:
+            try:
+                if (first_token is None) == (not r.output_token_ids):
+                    raise ValueError(f"request {request_id!r} needs its first token exactly once, at its "
+                                     "reservation or at the end of its transfer")
+                if first_token is not None:
+                    self.check_first_token(r.params, first_token, first_logprob)
+            except ValueError as e:
+                bad = e
+        if not landed or r.abort_after_transfer or bad is not None:
             del self.requests[request_id]
             self.kv.free(request_id)
             r.status = RequestStatus.FINISHED
             r.finish_reason = "abort" if r.abort_after_transfer else "error"
+            if bad is not None:
+                raise bad
             return RequestOutput(r.request_id, r.prompt_token_ids, [], "", True, r.finish_reason)
+        if first_token is not None:
+            r.output_token_ids.append(first_token)
+            if r.params.logprobs is not None:
+                r.output_logprobs.append(first_logprob)
         r.num_computed_tokens = r.num_prompt_tokens
         r.num_draft_context = r.num_prompt_tokens
         if not draft_context and self.speculator is not None:

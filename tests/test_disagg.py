@@ -19,6 +19,7 @@ import ray  # noqa: E402
 
 from actors.offline import ReplicaActor, run_disaggregated  # noqa: E402
 from actors.replica import AggregatedReplica, DecodeReplica, PrefillReplica  # noqa: E402
+from actors.worker import rank_actor  # noqa: E402
 from engine.llm import EngineConfig  # noqa: E402
 from engine.sequence import SamplingParams  # noqa: E402
 from kv.rank_info import PeerMismatchError, RankInfo  # noqa: E402
@@ -94,8 +95,9 @@ def tiny(request, ray_cluster, tiny_target, tiny_drafter):
 
 @pytest.fixture(scope="module")
 def short_holds(ray_cluster, tiny_target, tiny_drafter):
-    """Holds expire after 0.3 s."""
-    stack = Stack(tiny_config(tiny_target, tiny_drafter), prefill_kwargs={"hold_timeout_s": 0.3}, ablated=False)
+    """Holds expire after 0.3 s; a decode stand-by waits 1 s for its ticket."""
+    stack = Stack(tiny_config(tiny_target, tiny_drafter), prefill_kwargs={"hold_timeout_s": 0.3},
+                  decode_kwargs={"ticket_timeout_s": 1.0}, ablated=False)
     yield stack
     stack.shutdown()
 
@@ -218,6 +220,60 @@ def test_idle_kv_managers_use_no_cpu(tiny):
 
 def hold_stats(stack):
     return ray.get(ray.get(stack.prefill.handle.kv_managers.remote())[0].hold_stats.remote())
+
+
+def stand_by(replica, request):
+    """A decode stand-by's stream (as the ingress opens it with the prefill), and its first chunk."""
+    stream = replica.handle.stand_by.options(num_returns="streaming").remote(*request)
+    return stream, ray.get(next(stream))
+
+
+def test_the_decode_side_reserves_while_the_prefill_runs_and_takes_the_ticket_handed_to_its_process(tiny):
+    """The ingress's path: the decode replica is called as the prefill starts; its engine's process reserves the
+    prompt's pages before any ticket exists and names itself; the ticket handed to that process by an actor call
+    starts the READ; the output equals the aggregated replica's. A second hand of the same ticket is refused."""
+    prompt = [(5 * j + 17) % 120 + 1 for j in range(40)]          # 41 tokens with the first: 3 pages
+    request = requests([prompt], tag="standing")[0]
+    solo = tiny.generate([("standing-solo", *request[1:])])[0]
+    stream, standby = stand_by(tiny.decode, request)
+    assert standby["type"] == "standby" and standby["host"].endswith("-worker")
+    wait_until(lambda: tiny.decode.pages_in_use() == 3)       # reserved with no ticket yet
+    ticket = tiny.prefill_all([request])[0]
+    host = rank_actor(standby["host"])
+    assert ray.get(host.hand.remote(ticket.handoff())) is True
+    chunks = [ray.get(ref) for ref in stream]
+    assert [t for c in chunks for t in c["token_ids"]] == solo.token_ids
+    assert chunks[0]["transfer"]["bytes"] > 0 and chunks[-1]["finished"]
+    assert ray.get(host.hand.remote(ticket.handoff())) is False
+
+
+def test_a_stand_by_closed_before_its_ticket_frees_its_reservation_and_a_late_ticket_goes_back(tiny):
+    """The client went away while the prefill ran: closing the decode stream frees the pages reserved for it; the
+    ticket that comes after is refused and its prefill pages are given back at once, not at the hold timeout."""
+    prompt = [(3 * j + 29) % 120 + 1 for j in range(40)]
+    request = requests([prompt], tag="gone")[0]
+    stream, standby = stand_by(tiny.decode, request)
+    wait_until(lambda: tiny.decode.pages_in_use() == 3)
+    ray.cancel(stream)
+    wait_until(lambda: tiny.decode.pages_in_use() == 0, 5)
+    cancelled = hold_stats(tiny)["cancelled"]
+    ticket = tiny.prefill_all([request])[0]
+    assert ray.get(rank_actor(standby["host"]).hand.remote(ticket.handoff())) is False
+    wait_until(lambda: hold_stats(tiny)["cancelled"] == cancelled + 1, 5)
+    wait_until(lambda: tiny.prefill.pages_in_use() == 0, 5)
+
+
+def test_a_stand_by_whose_ticket_never_comes_ends_with_a_504_and_frees_its_pages(short_holds):
+    prompt = [(7 * j + 11) % 120 + 1 for j in range(20)]
+    stream, standby = stand_by(short_holds.decode, requests([prompt], tag="no-ticket")[0])
+    assert standby["type"] == "standby"
+    assert short_holds.decode.pages_in_use() == 2         # reserved (the command is answered once it is queued)
+    start = time.monotonic()
+    chunks = [ray.get(ref) for ref in stream]
+    assert [c["type"] for c in chunks] == ["error"] and chunks[0]["status"] == 504, chunks
+    assert "did not reach the decode replica within 1 s" in chunks[0]["message"]
+    assert 0.5 < time.monotonic() - start < 5
+    assert short_holds.decode.pages_in_use() == 0
 
 
 def test_unread_prefill_pages_are_freed_by_the_hold_timeout(short_holds):

@@ -395,10 +395,19 @@ def test_disaggregated_first_token_carries_its_logprob(tiny_target, drafter_dir,
     assert_same_logprobs(first.logprobs, whole.logprobs[:1])
     with pytest.raises(ValueError, match="first_logprob"):
         decode.reserve_transfer(prompt, first.token_ids[0], params)
-    r = decode.reserve_transfer(prompt, first.token_ids[0], params, first_logprob=first.logprobs[0])
+    # Reserved while the prefill runs (the service's way), the first token comes when the READ has ended; one without
+    # its logprob is refused there, and its pages are freed.
+    bad = decode.reserve_transfer(prompt, None, params)
+    assert decode.kv.pages_in_use() > 0
+    with pytest.raises(ValueError, match="first_logprob"):
+        decode.finish_transfer(bad.request_id, True, first_token=first.token_ids[0])
+    assert decode.kv.pages_in_use() == 0 and bad.request_id not in decode.requests
+    r = decode.reserve_transfer(prompt, None, params)
     copy_pages(prefill, held.request_id, decode, r.request_id, len(prompt))
     prefill.release(held.request_id)
-    out = decode.finish_transfer(r.request_id, True)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        decode.check_first_token(params, -1)
+    out = decode.finish_transfer(r.request_id, True, first_token=first.token_ids[0], first_logprob=first.logprobs[0])
     assert out.new_token_ids == whole.token_ids[:1] and out.new_logprobs == first.logprobs
     while decode.has_unfinished():
         out = decode.step()[-1]
