@@ -172,6 +172,7 @@ class EngineHost(RankWorker):
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._reservations = ReservationQueue(self.loop)
         self._taking: dict[str, _TakeOver] = {}
+        self._stand_bys = 0      # take-overs ever begun (inspection)
         self._key = secrets.token_bytes(32)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._address = f"\0dflash-engine-{os.getpid()}-{secrets.token_hex(8)}"
@@ -307,6 +308,7 @@ class EngineHost(RankWorker):
         freed only once no READ can write into them."""
         if request_id in self._taking:
             raise ValueError(f"request id {request_id!r} already awaits a transfer here")
+        self._stand_bys += 1
         taking = self._taking[request_id] = _TakeOver(self._open(request_id), params,
                                                       self._reservations.begin(request_id, attempt),
                                                       asyncio.get_running_loop().create_future())
@@ -501,6 +503,7 @@ class EngineHost(RankWorker):
         """Batch sizes and pages in use per pool (with its owners), for the replica's metrics report."""
         gauges = await self.loop.call(engine_gauges)
         gauges["awaiting_transfer"] = len(self._taking)
+        gauges["stand_bys"] = self._stand_bys
         return gauges
 
     async def kv_head_counts(self) -> list[set[int]]:

@@ -177,6 +177,9 @@ class ServiceConfig(_Strict):
     # pools when both share a GPU, and READs them with NIXL otherwise; "nixl" always READs with NIXL.
     kv_transport: Literal["auto", "nixl"] = "auto"
     hold_timeout_s: float = Field(30.0, gt=0)        # prefill pages wait this long for their READ
+    # A decode replica reserves a request's pages as its prefill starts and waits this long for the prefill's ticket
+    # (a queue and the prefill itself included); then the request fails with a 504 and the pages are freed.
+    ticket_timeout_s: float = Field(300.0, gt=0)
     # Engine steps per streamed chunk after a request's first (the first and the last go at once). Every chunk is
     # an item through Serve's streams (replica, ingress, proxy); at 1 each step's tokens go out at once, at k a
     # request's tokens go out every k steps, for k times fewer items (vLLM's --stream-interval does likewise).

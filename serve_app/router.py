@@ -39,33 +39,32 @@ class Router:
                 yield chunk
             return
         # The decode call goes out with the prefill: its replica's engine process reserves the prompt's pages while
-        # the prefill runs and stands by; its first chunk names that process, to which the ticket then goes in one
-        # actor call, not through Serve's routing after the prefill.
-        # Awaiting the prefill can be cancelled by a disconnect: Serve then cancels the prefill call,
-        # whose replica aborts the request and frees its pages; closing the decode stream ends the stand-by.
+        # the prefill runs and stands by; its first chunk names that process, to which the ticket goes in one actor
+        # call the moment both are here, not through Serve's routing after the prefill. Awaiting the prefill can be
+        # cancelled by a disconnect: Serve then cancels the prefill call, whose replica aborts the request and frees
+        # its pages. The decode call is made apart from the request (Serve would cancel it with the request, and
+        # can lose a cancel that comes before the call has started): this generator ends it itself.
         prefill = self.backends["prefill"].prefill.remote(request_id, prompt_token_ids, params)
-        gen = self.backends["decode"].options(stream=True).stand_by.remote(request_id, prompt_token_ids, params)
-        ticket, handed, completed = None, False, False
+        decode = _StandBy(self, request_id, contextvars.Context().run(
+            self.backends["decode"].options(stream=True).stand_by.remote, request_id, prompt_token_ids, params))
+        ticket, completed = None, False
         try:
             result = await prefill
             if "chunk" in result:       # the request ends with its first token (or failed): no decode
                 # Stopped before the last chunk goes out: a consumer may stop reading at it.
-                self._drop(gen, request_id)
+                decode.drop()
                 completed = True
                 yield result["chunk"]
                 return
             ticket, ticket_at = result["ticket"], time.perf_counter()
+            decode.hand(ticket)
             # The first token goes out now, while its KV moves (unless it could still be cut by a stop string or
             # end the request, which only the decode side's output settles).
             early = ticket.first_text is not None
             if early:
                 yield ticket.first_chunk()
             first = True
-            async for chunk in gen:
-                if chunk["type"] == "standby":
-                    self._hand(chunk["host"], ticket)
-                    handed = True
-                    continue
+            async for chunk in decode.chunks():
                 if first and self.on_transfer is not None:
                     if chunk["type"] == "tokens" and chunk.get("transfer") is not None:
                         self.on_transfer({**chunk["transfer"], "handoff_s": time.perf_counter() - ticket_at})
@@ -79,7 +78,7 @@ class Router:
                 # The last chunk ends the request: a consumer that stops reading after it (and leaves this
                 # generator to be closed when collected) cancels nothing.
                 completed = _last(chunk)
-                if completed and not handed:        # refused before the ticket went anywhere: nothing READs it
+                if completed and not decode.handed:     # refused before the ticket went anywhere: nothing READs it
                     ticket.cancel()
                 yield chunk
             completed = True
@@ -88,38 +87,9 @@ class Router:
                 # Closed early (a disconnect, the prefill's failure), maybe before the decode replica ever ran:
                 # stop the decode call, and give the held pages back now rather than at the hold timeout. After a
                 # READ has begun that only marks the lease.
-                if handed:
-                    gen.cancel()
-                else:
-                    self._drop(gen, request_id)
+                decode.drop()
                 if ticket is not None:
                     ticket.cancel()
-
-    def _drop(self, gen, request_id: str) -> None:
-        """End the decode stand-by of a request that will not be decoded: read its stream to the ``standby`` chunk,
-        tell the process it names to stop standing by (it frees the pages it reserved, and the stream ends), and
-        read the stream to its end. Not a cancel of the call: Serve can lose one that comes before the call has
-        started on its replica, and the stand-by would hold its pages until its ticket timeout."""
-        async def drop() -> None:
-            try:
-                async for chunk in gen:
-                    if chunk["type"] == "standby":
-                        await (await self._host(chunk["host"])).drop.remote(request_id)
-            except Exception:       # the decode replica or its process is gone, and its reservation with it
-                log.debug("ending the stand-by of %s", request_id, exc_info=True)
-
-        self._detach(drop())
-
-    async def _host(self, name: str):
-        actor = self._hosts.get(name) or await asyncio.to_thread(rank_actor, name)    # (a first one calls the GCS)
-        self._hosts[name] = actor
-        return actor
-
-    def _detach(self, coroutine) -> None:
-        """Run ``coroutine`` apart from the request's task: a cancelled request (a disconnect) must not cancel it."""
-        task = asyncio.get_running_loop().create_task(coroutine, context=contextvars.Context())
-        self._handing.add(task)
-        task.add_done_callback(self._handing.discard)
 
     def _hand(self, host: str, ticket) -> None:
         """The ticket to the decode engine's process that stands by for it (``EngineHost.hand``), not awaited: the
@@ -133,6 +103,76 @@ class Router:
                 ticket.cancel()
 
         self._detach(hand())
+
+    async def _host(self, name: str):
+        actor = self._hosts.get(name) or await asyncio.to_thread(rank_actor, name)    # (a first one calls the GCS)
+        self._hosts[name] = actor
+        return actor
+
+    def _detach(self, coroutine) -> None:
+        """Run ``coroutine`` apart from the request's task: a cancelled request (a disconnect) must not cancel it."""
+        task = asyncio.get_running_loop().create_task(coroutine, context=contextvars.Context())
+        self._handing.add(task)
+        task.add_done_callback(self._handing.discard)
+
+
+class _StandBy:
+    """A request's decode call, opened with its prefill. Its first chunk (``standby``, naming the engine process
+    that stands by) is read as soon as it comes; the ticket goes to that process the moment both are here
+    (``hand``), not when the router's consumer next asks for a chunk. ``drop`` ends it without a ticket."""
+
+    def __init__(self, router: Router, request_id: str, gen):
+        self.router, self.request_id, self.gen = router, request_id, gen
+        self.first = asyncio.ensure_future(gen.__anext__())
+        self.ticket = None
+        self.handed = self.dropped = False
+
+    def hand(self, ticket) -> None:
+        self.ticket = ticket
+        if self.first.done():
+            self._on_first(self.first)
+        else:
+            self.first.add_done_callback(self._on_first)
+
+    def _on_first(self, first: asyncio.Future) -> None:
+        if self.handed or self.dropped or first.cancelled() or first.exception() is not None:
+            return
+        chunk = first.result()
+        if chunk["type"] == "standby":
+            self.handed = True
+            self.router._hand(chunk["host"], self.ticket)
+
+    async def chunks(self) -> AsyncIterator[dict]:
+        """The decode side's chunks after the ``standby`` one (an error chunk in its place comes first)."""
+        chunk = await asyncio.shield(self.first)
+        if chunk["type"] != "standby":
+            yield chunk
+        async for chunk in self.gen:
+            yield chunk
+
+    def drop(self) -> None:
+        """No ticket will come (the request ended at the prefill, or its client went away), or the request is
+        being abandoned. Handed: cancel the call (it has started: its first chunk came). Else tell the process
+        its first chunk names to stop standing by (it frees its reservation and ends the stream), and read the
+        stream to its end."""
+        if self.dropped:
+            return
+        self.dropped = True
+        if self.handed:
+            self.gen.cancel()
+            return
+
+        async def drop() -> None:
+            try:
+                chunk = await self.first
+                if chunk["type"] == "standby":
+                    await (await self.router._host(chunk["host"])).drop.remote(self.request_id)
+                async for _ in self.gen:
+                    pass
+            except Exception:       # the decode replica or its process is gone, and its reservation with it
+                log.debug("ending a decode stand-by", exc_info=True)
+
+        self.router._detach(drop())
 
 
 def _last(chunk: dict) -> bool:

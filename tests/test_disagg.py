@@ -263,6 +263,18 @@ def test_a_stand_by_closed_before_its_ticket_frees_its_reservation_and_a_late_ti
     wait_until(lambda: tiny.prefill.pages_in_use() == 0, 5)
 
 
+def test_a_dropped_stand_by_ends_its_stream_and_frees_its_reservation(tiny):
+    """What the router does for a request that will get no ticket (it ended at the prefill, or its client went away
+    first): ``drop`` at the engine's process ends the stand-by's stream with an error chunk and frees its pages."""
+    prompt = [(9 * j + 2) % 120 + 1 for j in range(40)]
+    stream, standby = stand_by(tiny.decode, requests([prompt], tag="dropped")[0])
+    wait_until(lambda: tiny.decode.pages_in_use() == 3)
+    ray.get(rank_actor(standby["host"]).drop.remote("dropped-0"))
+    chunks = [ray.get(ref) for ref in stream]
+    assert [c["type"] for c in chunks] == ["error"] and chunks[0]["status"] == 499, chunks
+    assert tiny.decode.pages_in_use() == 0
+
+
 def test_a_stand_by_whose_ticket_never_comes_ends_with_a_504_and_frees_its_pages(short_holds):
     prompt = [(7 * j + 11) % 120 + 1 for j in range(20)]
     stream, standby = stand_by(short_holds.decode, requests([prompt], tag="no-ticket")[0])

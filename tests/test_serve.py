@@ -313,6 +313,35 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(server):
     assert_healthy_and_free(server)
 
 
+def test_a_request_that_ends_at_its_first_token_ends_the_decode_stand_by(server, client):
+    """The decode replica is called as the prefill starts, and reserves pages for the prompt. A request whose first
+    token ends it (max_tokens 1, streamed or not) holds no prefill pages for a READ, and the decode side stops
+    standing by and frees its reservation at once (not at its ticket timeout): the router ends the stand-by itself,
+    as it does for a client that goes away before the first token."""
+    leases, stand_bys = prefill_lease_counts(), decode_stand_bys()
+    prompt = [(13 * i) % 90 + 5 for i in range(3 * CHUNK)]
+    assert client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0).usage.completion_tokens == 1
+    assert len(list(client.completions.create(model="tiny", prompt=prompt, max_tokens=1, stream=True))) >= 1
+    deadline = time.monotonic() + 10
+    while decode_stand_bys() < stand_bys + 2:
+        assert time.monotonic() < deadline, "the decode side never stood by for the requests"
+        time.sleep(0.1)
+    assert_healthy_and_free(server)
+    assert prefill_lease_counts() == leases
+
+
+def decode_stand_bys() -> int:
+    """Decode take-overs ever begun by the decode replicas' engine processes."""
+    from actors.worker import KV_MANAGER_NAMESPACE
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == KV_MANAGER_NAMESPACE and a["name"].startswith("decode-")
+             and a["name"].endswith("-rank0-worker")]
+    assert names
+    return sum(g["stand_bys"] for g in ray.get([ray.get_actor(n, namespace=KV_MANAGER_NAMESPACE).gauges.remote()
+                                                 for n in names]))
+
+
 def prefill_lease_counts() -> dict:
     """The lease counts (``KVManagerActor.hold_stats``) of every prefill rank 0's KV manager, summed."""
     from actors.worker import KV_MANAGER_NAMESPACE

@@ -92,6 +92,7 @@ def test_serve_env_fills_in_what_the_environment_leaves_unset():
     ({"mode": "hybrid"}, "mode"),
     ({"kv_transport": "rdma"}, "kv_transport"),
     ({"stream_interval": 0}, "stream_interval"),
+    ({"ticket_timeout_s": 0}, "ticket_timeout_s"),
 ])
 def test_a_bad_config_names_the_field(data, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
