@@ -32,16 +32,16 @@ import dataclasses
 import hmac
 import inspect
 import logging
-import os
 import pickle
 import secrets
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from actors.channel import (KEY_TIMEOUT_S, ActorLink, ChannelServer, frame, frame_size, header_size,
+                            listening_socket, pickled, read_frame)
 from actors.chunks import ends, error_chunk, error_from, token_chunk
 from actors.engine_loop import EngineStopped, ReservationQueue, hand_over, name_native_thread
 from actors.nixl_transfer import TransferError
@@ -134,25 +134,6 @@ def _wire(item) -> Any:
     return error_from(item)
 
 
-_HEADER = struct.Struct("!Q")      # a frame: its length, then that many bytes (a pickle, or the key)
-KEY_TIMEOUT_S = 10.0               # how long a connection to the host may take to present its key
-
-
-def _frame(payload: bytes) -> bytes:
-    return _HEADER.pack(len(payload)) + payload
-
-
-def _pickled(message) -> bytes:
-    return _frame(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-async def _read_frame(reader: asyncio.StreamReader, limit: int | None = None) -> bytes:
-    (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-    if limit is not None and size > limit:
-        raise ValueError(f"a {size}-byte frame where at most {limit} were expected")
-    return await reader.readexactly(size)
-
-
 class EngineHost(RankWorker):
     """Rank 0 as an actor: builds the engine, steps it in its engine loop thread, runs the commands its replica
     sends over the socket in order and sends the steps' outputs back on it."""
@@ -166,22 +147,21 @@ class EngineHost(RankWorker):
             self._build_error = e
             return
         self.kv_managers = list(kv_managers)      # every rank's, in rank order: they READ a take-over's pages
+        self._readers = [ActorLink(kvm) for kvm in self.kv_managers]     # ... called over their channels
         self.kv_manager_names = list(kv_manager_names)      # their names: the readers the lease checks name
-        self._peers: dict[str, Any] = {}          # prefill KV managers by name (a first lookup is a call to Ray's GCS)
+        self._peers: dict[str, ActorLink] = {}    # prefill KV managers by name (a first lookup is a call to Ray's GCS)
         self._plans: dict[str, list[list[int]]] = {}    # per prefill replica (its rank 0's agent): _plan's
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._reservations = ReservationQueue(self.loop)
         self._taking: dict[str, _TakeOver] = {}
         self._stand_bys = 0      # take-overs ever begun (inspection)
         self._key = secrets.token_bytes(32)
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._address = f"\0dflash-engine-{os.getpid()}-{secrets.token_hex(8)}"
-        self._listener.bind(self._address)
-        self._listener.listen(4)
-        self._listener.setblocking(False)
+        self._listener, self._address = listening_socket("engine")
         self._server: asyncio.AbstractServer | None = None
         self._connected = False
         self._tasks: set[asyncio.Task] = set()     # replies in flight (the event loop keeps weak references)
+        # The ingress hands tickets over (and drops stand-bys) over a channel of its own, any number of callers.
+        self._channel = ChannelServer(self, ("hand", "drop"), "engine-hand")
 
     def ready(self) -> None:
         if self._build_error is not None:
@@ -197,11 +177,15 @@ class EngineHost(RankWorker):
         return {"page_size": self.engine.kv.page_size, "node_id": ray.get_runtime_context().get_node_id(),
                 "address": self._address, "key": self._key}
 
+    async def channel_info(self) -> dict:
+        """Where the ingress's ``hand`` and ``drop`` calls go when it runs on this node (``actors.channel``)."""
+        return await self._channel.info()
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """The replica's connection: its key, then its commands until it closes the connection. Any other
         connection (a second one, a wrong key) is closed unread."""
         try:
-            key = await asyncio.wait_for(_read_frame(reader, limit=len(self._key)), KEY_TIMEOUT_S)
+            key = await asyncio.wait_for(read_frame(reader, limit=len(self._key)), KEY_TIMEOUT_S)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, OSError):
             key = b""
         if self._connected or not hmac.compare_digest(key, self._key):
@@ -212,7 +196,7 @@ class EngineHost(RankWorker):
         sender = asyncio.get_running_loop().create_task(self._send_outputs(writer))
         try:
             while True:
-                call, name, args = pickle.loads(await _read_frame(reader))
+                call, name, args = pickle.loads(await read_frame(reader))
                 self._run(writer, call, name, args)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -245,10 +229,10 @@ class EngineHost(RankWorker):
             except Exception as e:
                 message = ("reply", call, False, e)
             try:
-                frame = _pickled(message)
+                data = pickled(message)
             except Exception as e:      # a result or an exception that does not pickle: told as text
-                frame = _pickled(("reply", call, False, RuntimeError(f"{type(e).__name__}: {e}")))
-            writer.write(frame)
+                data = pickled(("reply", call, False, RuntimeError(f"{type(e).__name__}: {e}")))
+            writer.write(data)
 
         self._keep(asyncio.get_running_loop().create_task(reply()))
 
@@ -264,7 +248,7 @@ class EngineHost(RankWorker):
             items = [await self._outbox.get()]
             while not self._outbox.empty():
                 items.append(self._outbox.get_nowait())
-            writer.write(_pickled(("out", [(request_id, _wire(item)) for request_id, item in items])))
+            writer.write(pickled(("out", [(request_id, _wire(item)) for request_id, item in items])))
             await writer.drain()
 
     def _open(self, request_id: str, on_finish=None) -> _Forward:
@@ -413,9 +397,20 @@ class EngineHost(RankWorker):
         agents = handoff.pages.peer_agents
         plan = self._plans.get(agents[0])
         if plan is None:
-            peers = await asyncio.to_thread(lambda: [kv_manager(agent) for agent in agents])
-            plan = self._plans[agents[0]] = await asyncio.gather(
+            try:
+                peers = await asyncio.to_thread(lambda: [kv_manager(agent) for agent in agents])
+            except ValueError as e:      # a prefill KV manager that is gone: nothing to READ, nothing posted
+                raise TransferError(f"a prefill KV manager is gone: {e}") from e
+            plan = await asyncio.gather(
                 *(kvm.register_peers.remote(handoff.rank_infos, peers) for kvm in self.kv_managers))
+            # The hand-off's calls go over channels where the actors share this node: opened now, once per peer.
+            for gone in [agent for agent, link in self._peers.items() if link.broken]:     # replicas replaced
+                del self._peers[gone]
+                self._plans.pop(gone, None)
+            for agent, peer in zip(agents, peers):
+                self._peers.setdefault(agent, ActorLink(peer))
+            await asyncio.gather(*(link.connect() for link in [*self._readers, *(self._peers[a] for a in agents)]))
+            self._plans[agents[0]] = plan
         return plan
 
     async def _read(self, pages: PrefillPages, tables: list[list[int]], reused: int, plan: list[list[int]],
@@ -429,12 +424,6 @@ class EngineHost(RankWorker):
         if unread:      # their heads come from other prefill ranks holding them too
             await asyncio.to_thread(pages.cancel, unread)
         pairs = [(rank, source) for rank, sources in enumerate(plan) for source in sources]
-        agents = {pages.peer_agents[source] for _, source in pairs} - self._peers.keys()
-        try:
-            if agents:
-                self._peers.update(await asyncio.to_thread(lambda: {agent: kv_manager(agent) for agent in agents}))
-        except ValueError as e:      # a prefill KV manager that is gone: nothing to READ, nothing posted
-            return {}, TransferError(f"a prefill KV manager is gone: {e}")
         # Each rank's KV manager posts its READ at once, and the lease checks go to the prefill KV managers from
         # here alongside them (not after a hop to the reader): the bytes are kept only if every check grants its
         # lease (``KVManagerActor.read`` says why that is safe). Both end before anything is decided or freed.
@@ -451,15 +440,15 @@ class EngineHost(RankWorker):
             unsettled = TransferError(f"waiting for the device before the READ failed: {e}")
         posted = time.perf_counter()
         reads = [] if unsettled is not None else [
-            self.kv_managers[rank].read.remote(None, pages.peer_agents[source], [t[reused:] for t in pages.tables],
-                                               [t[reused:] for t in tables], draft_context, timeout_s, readers[source])
+            self._readers[rank].call("read", None, pages.peer_agents[source], [t[reused:] for t in pages.tables],
+                                     [t[reused:] for t in tables], draft_context, timeout_s, readers[source])
             for rank, source in pairs]
         outcomes = await asyncio.gather(*checks, *reads, return_exceptions=True)
         granted, reads = outcomes[:len(pairs)], outcomes[len(pairs):]
         for (rank, source), check in zip(pairs, granted):
             if check is True:
-                self._peers[pages.peer_agents[source]].end_read.remote(pages.leases[source],
-                                                                       self.kv_manager_names[rank])
+                self._peers[pages.peer_agents[source]].send("end_read", pages.leases[source],
+                                                            self.kv_manager_names[rank])
         # A refused lease first: a READ of freed pages may fail too, and the refusal is why.
         error = next((c for c in granted if isinstance(c, BaseException)), None)
         if error is None and False in granted:
@@ -481,8 +470,8 @@ class EngineHost(RankWorker):
     async def _check_lease(self, pages: PrefillPages, source: int, reader: str, num_readers: int, timeout_s: float,
                            answered: list[float]) -> bool:
         """``begin_read`` of prefill rank ``source``'s lease for decode rank ``reader``: True if granted."""
-        granted = await self._peers[pages.peer_agents[source]].begin_read.remote(pages.leases[source], timeout_s,
-                                                                                reader, num_readers)
+        granted = await self._peers[pages.peer_agents[source]].call("begin_read", pages.leases[source], timeout_s,
+                                                                    reader, num_readers)
         answered.append(time.perf_counter())
         return granted
 
@@ -566,7 +555,7 @@ class EngineClient:
         except OSError as e:
             raise RuntimeError(f"cannot reach this replica's engine process over its local socket ({e}): the two "
                                "processes must share a network namespace (not separate containers)") from e
-        self._socket.sendall(_frame(info["key"]))
+        self._socket.sendall(frame(info["key"]))
         self._pump.start()
 
     # --- streams ----------------------------------------------------------------------------------------------
@@ -594,8 +583,8 @@ class EngineClient:
         gone = EngineStopped("this replica's engine process is gone (its connection closed); retry the request")
         try:
             with self._socket.makefile("rb") as incoming:
-                while len(header := incoming.read(_HEADER.size)) == _HEADER.size:
-                    message = pickle.loads(incoming.read(_HEADER.unpack(header)[0]))
+                while len(header := incoming.read(header_size())) == header_size():
+                    message = pickle.loads(incoming.read(frame_size(header)))
                     if message[0] == "out":
                         hand_over(self._streams, message[1], ends)
                     else:
@@ -628,11 +617,11 @@ class EngineClient:
             call = None
             if reply:
                 call, self._calls = self._calls, self._calls + 1
-            frame = _pickled((call, name, args))
+            data = pickled((call, name, args))
             if reply:
                 future = self._replies[call] = concurrent.futures.Future()
             try:
-                self._socket.sendall(frame)     # blocks only while a large frame waits for the host to read
+                self._socket.sendall(data)     # blocks only while a large frame waits for the host to read
             except OSError as e:     # the host is gone; the receiving thread ends the streams
                 self._replies.pop(call, None)
                 raise EngineStopped(f"this replica's engine process is gone ({type(e).__name__}); retry the request")

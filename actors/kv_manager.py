@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from actors.channel import ChannelServer
 from actors.memory import PoolExport, SegmentAllocator, SharedSegments, device_uuid, map_segment
 from actors.nixl_transfer import NixlEndpoint, TransferError, owners_for
 from kv.pool import KVPool
@@ -96,9 +97,19 @@ class KVManagerActor:
         # Leases ended by their READ, the hold timeout or a cancel; READs refused (the lease had ended); cancels
         # that came after the lease had ended (a client gone right after its READ).
         self.counts = {"read": 0, "timed_out": 0, "cancelled": 0, "refused": 0, "after_release": 0}
+        # The hand-off's calls (the decode engine's READs and lease checks, the prefill replica's holds) come over a
+        # channel from processes on this node (``actors.channel``), as Ray actor calls from any other.
+        self._channel = ChannelServer(self, ("read", "begin_read", "end_read", "hold", "cancel"), "kv")
 
     def ping(self) -> float:
         return time.monotonic()
+
+    async def channel_info(self) -> dict:
+        return await self._channel.info()
+
+    def channel_calls(self) -> int:
+        """Calls that came over the channel so far (tests: the hand-off took it)."""
+        return self._channel.calls
 
     # --- memory ---------------------------------------------------------------------------------
     def create_segment(self, nbytes: int):
@@ -345,6 +356,7 @@ class KVManagerActor:
         return nbytes, descriptors, start, time.perf_counter()
 
     def close(self) -> None:
+        self._channel.close()
         if self._peer_watch is not None:
             self._peer_watch.cancel()
         for lease in self._leases.values():

@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
+from actors.channel import ActorLink
 from actors.chunks import error_chunk, merge_chunks
 from actors.engine_host import Handoff, PrefillPages
 from actors.engine_loop import EngineStopped
@@ -255,6 +256,7 @@ class PrefillReplica(EngineReplica):
         super().__init__(config, **kwargs)
         self._releases: collections.Counter[str] = collections.Counter()    # request id -> ranks whose lease ended
         self._counting = threading.Lock()
+        self._holders = [ActorLink(kvm) for kvm in self.group.kv_managers]     # the holds go over their channels
         for i, kvm in enumerate(self.group.kv_managers):
             threading.Thread(target=self._release_loop, args=(kvm,), daemon=True, name=f"release-{i}").start()
 
@@ -325,8 +327,9 @@ class PrefillReplica(EngineReplica):
                 self.engine.abort(request_id)
 
     def _hold(self, request_id: str, leases: list[str]) -> None:
-        for kvm, lease in zip(self.group.kv_managers, leases):
-            kvm.hold.remote(request_id, lease, self.hold_timeout_s)
+        for link, lease in zip(self._holders, leases):
+            link.send("hold", request_id, lease, self.hold_timeout_s)
+            link.warm()
 
 
 def _reserve(request_id: str, prompt_token_ids: list[int], params: SamplingParams, num_pages: int,

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from actors.channel import ActorLink
 from actors.worker import rank_actor
 from engine.sequence import SamplingParams
 
@@ -27,7 +28,7 @@ class Router:
         # side's first output here), or None on failure.
         self.on_transfer = on_transfer
         self._handing: set[asyncio.Task] = set()      # tickets on their way to decode engine processes, and drops
-        self._hosts: dict[str, object] = {}           # those processes' actors by name
+        self._hosts: dict[str, ActorLink] = {}        # links to those processes by name (channels on this node)
 
     async def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
                      ) -> AsyncIterator[dict]:
@@ -97,17 +98,33 @@ class Router:
         to the prefill side here, and the decode stream ends with the host's failure."""
         async def hand() -> None:
             try:
-                await (await self._host(host)).hand.remote(ticket.handoff())
+                await (await self._host(host)).call("hand", ticket.handoff())
             except Exception:
                 log.warning("handing %s to %s failed; giving its pages back", ticket.request_id, host, exc_info=True)
                 ticket.cancel()
 
         self._detach(hand())
 
-    async def _host(self, name: str):
-        actor = self._hosts.get(name) or await asyncio.to_thread(rank_actor, name)    # (a first one calls the GCS)
-        self._hosts[name] = actor
-        return actor
+    async def _host(self, name: str) -> ActorLink:
+        link = self._hosts.get(name)
+        if link is None or link.broken:       # (a first lookup calls the GCS; a broken link's host is gone)
+            actor = await asyncio.to_thread(rank_actor, name)
+            link = self._hosts.get(name)
+            if link is None or link.broken:
+                link = self._hosts[name] = ActorLink(actor)
+        return link
+
+    def _warm(self, name: str) -> None:
+        """Open the link to a decode engine process seen for the first time while its stand-by's prefill runs, so
+        that the hand of its ticket does not wait for it."""
+        async def warm() -> None:
+            try:
+                await (await self._host(name)).connect()
+            except Exception:       # the hand will try again, and say why if it fails
+                log.debug("opening a link to %s failed", name, exc_info=True)
+
+        if name not in self._hosts:
+            self._detach(warm())
 
     def _detach(self, coroutine) -> None:
         """Run ``coroutine`` apart from the request's task: a cancelled request (a disconnect) must not cancel it."""
@@ -124,6 +141,7 @@ class _StandBy:
     def __init__(self, router: Router, request_id: str, gen):
         self.router, self.request_id, self.gen = router, request_id, gen
         self.first = asyncio.ensure_future(gen.__anext__())
+        self.first.add_done_callback(self._on_stand_by)
         self.ticket = None
         self.handed = self.dropped = False
 
@@ -133,6 +151,10 @@ class _StandBy:
             self._on_first(self.first)
         else:
             self.first.add_done_callback(self._on_first)
+
+    def _on_stand_by(self, first: asyncio.Future) -> None:
+        if not first.cancelled() and first.exception() is None and first.result()["type"] == "standby":
+            self.router._warm(first.result()["host"])
 
     def _on_first(self, first: asyncio.Future) -> None:
         if self.handed or self.dropped or first.cancelled() or first.exception() is not None:
@@ -166,7 +188,7 @@ class _StandBy:
             try:
                 chunk = await self.first
                 if chunk["type"] == "standby":
-                    await (await self.router._host(chunk["host"])).drop.remote(self.request_id)
+                    await (await self.router._host(chunk["host"])).call("drop", self.request_id)
                 async for _ in self.gen:
                     pass
             except Exception:       # the decode replica or its process is gone, and its reservation with it

@@ -140,7 +140,8 @@ def decode_chunks(replica, ticket) -> list[dict]:
 
 
 def test_transfer_moves_target_and_draft_pages_byte_for_byte_and_skips_pages_the_decode_side_holds(tiny):
-    """A prompt's pages arrive byte for byte, target and draft layers. The same prompt again: its leading full page
+    """A prompt's pages arrive byte for byte, target and draft layers, the hand-off's calls over the KV managers'
+    channels. The same prompt again: its leading full page
     is in the decode side's prefix cache (the first request's, drafter context included), so the READ moves only
     the page after it, and the decode side's pages still equal the prefill side's."""
     info = RankInfo.from_json(ray.get(tiny.decode.handle.rank_infos.remote())[0])
@@ -150,10 +151,19 @@ def test_transfer_moves_target_and_draft_pages_byte_for_byte_and_skips_pages_the
     # 32 tokens no other test sends: two full pages, which decoding (positions 32 on) never writes again. A prefix
     # hit leaves the last token's page to compute, so the repeat reuses one page.
     prompt = [(5 * j + 11) % 120 + 1 for j in range(32)]
+    kvms = {side: ray.get(getattr(tiny, side).handle.kv_managers.remote())[0] for side in ("prefill", "decode")}
+
+    def channel_calls() -> dict[str, int]:
+        return {side: ray.get(kvm.channel_calls.remote()) for side, kvm in kvms.items()}
+
     for tag, reused in (("bytes", 0), ("bytes-again", 1)):
         ticket = tiny.prefill_all(requests([prompt], tag=tag))[0]
         before = digests(tiny.prefill, ticket.tables)
+        calls = channel_calls()
         chunks = decode_chunks(tiny.decode, ticket)
+        # The READ went to the decode KV manager, the lease check and its end to the prefill one, over channels.
+        wait_until(lambda: channel_calls()["prefill"] >= calls["prefill"] + 2)
+        assert channel_calls()["decode"] == calls["decode"] + 1
         stats = chunks[0]["transfer"]
         assert stats["reused_pages"] == reused
         assert digests(tiny.decode, stats["tables"]) == before

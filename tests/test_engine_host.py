@@ -15,7 +15,8 @@ pytestmark = pytest.mark.ray
 
 import ray  # noqa: E402
 
-from actors.engine_host import EngineHost, _frame  # noqa: E402
+from actors.channel import frame as _frame  # noqa: E402
+from actors.engine_host import EngineHost  # noqa: E402
 from actors.replica import AggregatedReplica  # noqa: E402
 from actors.worker import RankGroup  # noqa: E402
 from engine.llm import EngineConfig  # noqa: E402
