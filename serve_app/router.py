@@ -40,12 +40,13 @@ class Router:
                 yield chunk
             return
         # The decode call goes out with the prefill: its replica's engine process reserves the prompt's pages while
-        # the prefill runs and stands by; its first chunk names that process, to which the ticket goes in one actor
-        # call the moment both are here, not through Serve's routing after the prefill. Awaiting the prefill can be
-        # cancelled by a disconnect: Serve then cancels the prefill call, whose replica aborts the request and frees
-        # its pages. The decode call is made apart from the request (Serve would cancel it with the request, and
+        # the prefill runs and stands by; its first chunk names that process, to which the ticket goes in one call
+        # (over a channel on one node) the moment both are here, not through Serve's routing after the prefill. The
+        # prefill's result comes as a stream of one item (sooner than a unary reply). Awaiting it can be cancelled by
+        # a disconnect: the prefill call is cancelled then, and its replica aborts the request and frees its pages. The decode call is made apart from the request (Serve would cancel it with the request, and
         # can lose a cancel that comes before the call has started): this generator ends it itself.
-        prefill = self.backends["prefill"].prefill.remote(request_id, prompt_token_ids, params)
+        prefill = _only_item(self.backends["prefill"].options(stream=True).prefill_stream.remote(
+            request_id, prompt_token_ids, params))
         decode = _StandBy(self, request_id, contextvars.Context().run(
             self.backends["decode"].options(stream=True).stand_by.remote, request_id, prompt_token_ids, params))
         ticket, completed = None, False
@@ -195,6 +196,18 @@ class _StandBy:
                 log.debug("ending a decode stand-by", exc_info=True)
 
         self.router._detach(drop())
+
+
+async def _only_item(gen) -> dict:
+    """The one item of a streamed call (``PrefillReplica.prefill_stream``); cancelled or failed while it waits, the
+    call is cancelled too (its replica aborts the request and frees its pages)."""
+    try:
+        return await gen.__anext__()
+    except StopAsyncIteration:
+        raise RuntimeError("the prefill replica's stream ended without its result") from None
+    except BaseException:
+        gen.cancel()
+        raise
 
 
 def _last(chunk: dict) -> bool:
