@@ -114,6 +114,9 @@ class ChannelServer:
                 self._run(writer, call, name, args)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass        # the caller went away; its calls still running finish (as Ray's would)
+        except Exception:       # a frame that does not unpickle to a call: the stream is out of step, close it
+            log.exception("a call on %s's channel could not be read; closing that connection",
+                          type(self.target).__name__)
         finally:
             writer.close()
 

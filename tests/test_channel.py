@@ -135,3 +135,22 @@ def test_an_actor_on_another_node_is_called_through_ray(echo, monkeypatch):
     assert via == "ray"
     assert (added, seen, seen_after) == (4, [3], [3, 7])
     assert ray.get(echo.channel_calls.remote()) == 0
+
+
+def test_a_garbled_call_closes_its_connection_only(echo):
+    """A caller with the key whose frame is not a call loses its connection; the channel serves other callers."""
+    info = ray.get(echo.channel_info.remote())
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(info["address"])
+        s.sendall(frame(info["key"]) + frame(b"not a pickle"))
+        try:
+            assert s.recv(1) == b""
+        except ConnectionResetError:
+            pass
+
+    async def run():
+        link = ActorLink(echo)
+        return await link.call("add", 41), link.via
+
+    assert _run(run()) == (42, "channel")
