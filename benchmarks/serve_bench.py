@@ -201,7 +201,7 @@ def paired(urls: dict[str, str], args) -> dict:
 
 def _serve_mode(mode: str) -> dict[str, str]:
     """Set the environment for ``--serve-mode`` before Ray starts (and before Serve is imported: it reads it then)."""
-    from serve_app.config import SERVE_ENV, serve_env
+    from serve_app.serve_env import SERVE_ENV, serve_env
 
     if mode == "default":
         os.environ.update({name: "0" for name in SERVE_ENV})

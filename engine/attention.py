@@ -30,10 +30,6 @@ class AttentionMetadata:
     max_seq_len: int
     causal: bool = True
     backend: str = "torch"  # "torch" | "triton"
-    # Triton split-KV kernel: KV tiles per split, fixed (a CUDA graph captures max_seq_len as the whole capacity,
-    # and splits sized from it would leave a short sequence to one program; eager blocks of several queries take
-    # the graphs' value, so verification sums alike either way); None: chosen from max_seq_len and the batch.
-    decode_split_tiles: int | None = None
     # Every row has the same query length. A batch of rows of several lengths (prefill chunks beside decode and
     # verification rows) takes the Triton varlen kernel at its largest query tile whatever max_query_len is, as a
     # ragged CUDA graph (``engine.cuda_graphs.RaggedGraphs``, whose max_query_len is its padded token count) must:

@@ -31,8 +31,6 @@ log = logging.getLogger(__name__)
 
 # "decode": as auto, but only the uniform steps (decode, verification, drafter blocks); prompt steps run eagerly.
 CUDA_GRAPH_MODES = ("auto", "on", "decode", "off")
-# KV tiles per split of the Triton decode kernel inside a graph (max_seq_len is then the table's capacity).
-GRAPH_DECODE_SPLIT_TILES = 4
 
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], Sequence[torch.Tensor]]
 
@@ -100,7 +98,7 @@ class StepGraphs:
         return AttentionMetadata(query_start_loc=self.query_starts[q][:size + 1], seq_lens=self.seq_lens[:size],
                                  block_tables=self.tables[:size], slot_mapping=self.slots[:size * q],
                                  max_query_len=q, max_seq_len=self.max_seq_len, causal=self.causal,
-                                 backend=self.backend, decode_split_tiles=GRAPH_DECODE_SPLIT_TILES)
+                                 backend=self.backend)
 
     def _forward(self, size: int, q: int) -> tuple[torch.Tensor, ...]:
         return tuple(self.fn(self.ids[:size * q], self.positions[:size * q], self._meta(size, q)))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.cuda_graphs import GRAPH_DECODE_SPLIT_TILES, RaggedGraphs, StepGraphs
+from engine.cuda_graphs import RaggedGraphs, StepGraphs
 from engine.model import LayerKV, Qwen3Model
 from engine.parallel import OP_TARGET, Message
 from kv.device_tables import DeviceBlockTables, upload
@@ -89,9 +89,6 @@ def build_metadata(kv: KVCacheManager, space: int, rows: Sequence[Row], *, causa
         max_seq_len=max(r.start + r.num_tokens for r in rows),
         causal=causal,
         backend=backend,
-        # Blocks of several queries (verification, drafting) split their keys as the graphs do, so a graphed and an
-        # eager engine verify alike, to the bit; a decode step picks its splits from the batch.
-        decode_split_tiles=GRAPH_DECODE_SPLIT_TILES if max_query_len > 1 else None,
         uniform=all(r.num_tokens == max_query_len for r in rows),
     )
     return positions, meta
@@ -115,8 +112,7 @@ def device_metadata(kv: KVCacheManager, space: int, request_ids: Sequence[str], 
     meta = AttentionMetadata(
         query_start_loc=torch.arange(num_rows + 1, dtype=torch.int32, device=device) * width,
         seq_lens=(starts + width).int(), block_tables=block_tables, slot_mapping=slots.flatten(),
-        max_query_len=width, max_seq_len=width_pages * page_size, causal=causal, backend=backend,
-        decode_split_tiles=GRAPH_DECODE_SPLIT_TILES if width > 1 else None)
+        max_query_len=width, max_seq_len=width_pages * page_size, causal=causal, backend=backend)
     return positions.flatten(), meta
 
 

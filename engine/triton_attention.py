@@ -27,7 +27,7 @@ LOG2E = 1.4426950408889634
 # block-table width, its split count, a metadata tensor sliced at any row), so a server met combinations its
 # warm-up had not and stalled for a compile (1-2 s on an H200) in the middle of serving. They are never
 # specialised: none of them sizes a vector load (the K/V caches, queries and outputs keep theirs).
-RUNTIME_INTS = ["stride_bt", "num_q_heads", "num_splits", "split_len", "num_seqs"]
+RUNTIME_INTS = ["stride_bt", "num_q_heads", "num_splits", "splits_per_seq", "num_seqs"]
 METADATA_POINTERS = ["slot_mapping_ptr", "block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"]
 FP8_MAX_C = tl.constexpr(FP8_MAX)
 
@@ -272,6 +272,18 @@ def _varlen_attention_kernel(
     _store_rounded(out_ptr + o_offsets, out, 1.0, io_mask)
 
 
+@triton.jit
+def _seq_split(seq_len, splits_per_seq, BLOCK_N: tl.constexpr, MAX_SPLIT_TILES: tl.constexpr):
+    """(keys per split, splits that hold keys) of a sequence of seq_len keys: splits_per_seq splits of whole tiles,
+    fewer for a sequence of fewer tiles, more for one longer than that many splits of MAX_SPLIT_TILES tiles. It
+    depends on the sequence alone, so a CUDA graph (whose grid spans the capacity) and an eager step (whose grid
+    spans the batch's longest sequence) cut every sequence's keys at the same places and sum alike, to the bit."""
+    tiles = tl.cdiv(seq_len, BLOCK_N)
+    wanted = tl.maximum(splits_per_seq, tl.cdiv(tiles, MAX_SPLIT_TILES))
+    tiles_per_split = tl.cdiv(tiles, tl.maximum(tl.minimum(wanted, tiles), 1))
+    return tiles_per_split * BLOCK_N, tl.cdiv(tiles, tiles_per_split)
+
+
 @triton.jit(do_not_specialize=RUNTIME_INTS, do_not_specialize_on_alignment=METADATA_POINTERS)
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
@@ -279,14 +291,14 @@ def _decode_split_kernel(
     qk_scale_log2, v_scale,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok, stride_v_head,
-    stride_bt, num_q_heads, num_splits, split_len,
+    stride_bt, num_q_heads, num_splits, splits_per_seq,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, PREFETCH_PAGES: tl.constexpr, MAX_SPLIT_TILES: tl.constexpr,
 ):
     """Program (seq, kv head, split): the sequence's queries (one when decoding, a short block when verifying
-    drafts or drafting) x the GQA group against split_len positions of its KV. ``PREFETCH_PAGES`` loads each
-    tile's page ids one tile ahead, so that the K/V loads do not wait on them."""
+    drafts or drafting) x the GQA group against one split of its KV (``_seq_split``). ``PREFETCH_PAGES`` loads
+    each tile's page ids one tile ahead, so that the K/V loads do not wait on them."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -294,9 +306,10 @@ def _decode_split_kernel(
     q_begin = tl.load(query_start_loc_ptr + seq)
     q_end = tl.load(query_start_loc_ptr + seq + 1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    split_len, seq_splits = _seq_split(seq_len, splits_per_seq, BLOCK_N, MAX_SPLIT_TILES)
     kv_begin = split * split_len
     if (q_end == q_begin) | (kv_begin >= seq_len):
-        return  # no query (batch padding), or past the sequence's end (a ragged batch): the merge skips it
+        return  # no query (batch padding), or past the sequence's splits (a shorter one): the merge skips it
     kv_end = tl.minimum(seq_len, kv_begin + split_len)
 
     # Row r is query token r // GROUP, head kv_head * GROUP + r % GROUP: all the tokens' GROUP query heads of the
@@ -336,6 +349,9 @@ def _decode_split_kernel(
     if SINGLE_SPLIT:
         _store_rounded(out_ptr + tokens[:, None] * stride_o_t + heads[:, None] * stride_o_h + dims[None, :], out, 1.0,
                        io_mask)
+    elif seq_splits == 1:  # the merge of one split would give these very bits; it skips the sequence
+        _store_rounded(out_ptr + tokens[:, None] * stride_o_t + heads[:, None] * stride_o_h + dims[None, :], out, 1.0,
+                       io_mask)
     else:
         # Partials are [T, Hq, num_splits, D] normalised outputs plus their log2-sum-exp.
         partial_rows = (tokens * num_q_heads + heads) * num_splits + split
@@ -346,31 +362,43 @@ def _decode_split_kernel(
 @triton.jit(do_not_specialize=RUNTIME_INTS, do_not_specialize_on_alignment=METADATA_POINTERS)
 def _decode_reduce_kernel(
     partial_out_ptr, partial_lse_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr,
-    stride_o_t, stride_o_h, num_q_heads, num_splits, split_len,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_o_t, stride_o_h, num_q_heads, num_splits, splits_per_seq,
+    BLOCK_N: tl.constexpr, MAX_SPLIT_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Program (seq, q head, query of the seq): merge that query's split partials, weighting each by its share of
-    the softmax mass."""
+    the softmax mass. The partials are taken BLOCK_S at a time in a fixed order, so the sum depends on the
+    sequence's own splits only, never on how many programs the launch had (a graph's or an eager step's)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     token = tl.load(query_start_loc_ptr + seq) + tl.program_id(2)
     q_end = tl.load(query_start_loc_ptr + seq + 1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    if token >= q_end:
-        return
+    _, seq_splits = _seq_split(seq_len, splits_per_seq, BLOCK_N, MAX_SPLIT_TILES)
+    if (token >= q_end) | (seq_splits == 1):
+        return  # no such query, or a sequence of one split, which wrote its output itself
     splits = tl.arange(0, BLOCK_S)
-    split_valid = splits < tl.cdiv(seq_len, split_len)  # the splits that hold keys
     dims = tl.arange(0, BLOCK_D)
-    partial_rows = (token * num_q_heads + head) * num_splits + splits
-    lse = tl.load(partial_lse_ptr + partial_rows, mask=split_valid, other=float("-inf"))
+    first_row = (token * num_q_heads + head) * num_splits
+    top = float("-inf")
+    for chunk in range(0, seq_splits, BLOCK_S):
+        lse = tl.load(partial_lse_ptr + first_row + chunk + splits, mask=chunk + splits < seq_splits,
+                      other=float("-inf"))
+        top = tl.maximum(top, tl.max(lse, axis=0))
     # Split 0 holds keys every query of a real sequence sees, so the max is finite; a graph's padding rows (q
     # queries over a context of one) may see none, and get 0 rather than NaN.
-    top = tl.max(lse, axis=0)
-    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
-    partial = tl.load(partial_out_ptr + partial_rows[:, None] * BLOCK_D + dims[None, :],
-                      mask=_rows_mask(split_valid, dims, HEAD_DIM, BLOCK_D), other=0.0)
-    total = tl.sum(weight, axis=0)
-    out = tl.sum(partial * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for chunk in range(0, seq_splits, BLOCK_S):
+        valid = chunk + splits < seq_splits
+        rows = first_row + chunk + splits
+        weight = tl.exp2(tl.load(partial_lse_ptr + rows, mask=valid, other=float("-inf")) - top)
+        partial = tl.load(partial_out_ptr + rows[:, None] * BLOCK_D + dims[None, :],
+                          mask=_rows_mask(valid, dims, HEAD_DIM, BLOCK_D), other=0.0)
+        total += tl.sum(weight, axis=0)
+        acc += tl.sum(partial * weight[:, None], axis=0)
+    out = acc / tl.where(total > 0, total, 1.0)
     _store_rounded(out_ptr + token * stride_o_t + head * stride_o_h + dims, out, 1.0, dims < HEAD_DIM)
 
 
@@ -413,11 +441,11 @@ def varlen_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
 
 def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_scale=1.0, v_scale=1.0, *,
                      num_splits=None, block_n=None, num_warps=None, num_stages=None, prefetch_pages=None,
-                     programs_per_multiprocessor=None) -> torch.Tensor:
+                     programs_per_multiprocessor=None, max_split_keys=None) -> torch.Tensor:
     """Split-KV attention for batches with short query blocks per sequence: one query (decode) or up to
     ``split_kv_max_query_len`` (draft verification, drafter blocks; causal or not, as ``meta`` says). Tiling
     defaults per cache dtype (``prefetch_pages`` and ``programs_per_multiprocessor``, which sizes the default
-    split count, too)."""
+    split count, too); ``num_splits`` sets the splits per sequence (``_seq_split``)."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs, num_kv_heads = meta.seq_lens.shape[0], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -429,9 +457,10 @@ def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
         return out
     tiling = DECODE_TILING[k_cache.element_size()]
     block_n = block_n or decode_block_n(k_cache)
-    num_splits, split_len = split_plan(meta.max_seq_len, block_n, num_seqs * num_kv_heads, query.device,
-                                       meta.decode_split_tiles, num_splits,
-                                       programs_per_multiprocessor or tiling.programs_per_multiprocessor)
+    splits_per_seq = num_splits or splits_per_sequence(
+        num_seqs, num_kv_heads, query.device, programs_per_multiprocessor or tiling.programs_per_multiprocessor)
+    max_split_tiles = max_split_tiles_for(block_n, max_split_keys)
+    num_splits = grid_splits(meta.max_seq_len, block_n, splits_per_seq, max_split_tiles)
     single = num_splits == 1
     block_d = _block_d(head_dim)
     # Dummy 1-element partials when unused: the kernel never touches them, but it needs valid pointers.
@@ -444,18 +473,19 @@ def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
         scale * _fp8_scale(k_cache, k_scale) * LOG2E, _fp8_scale(v_cache, v_scale),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
-        meta.block_tables.stride(0), num_q_heads, num_splits, split_len,
+        meta.block_tables.stride(0), num_q_heads, num_splits, splits_per_seq,
         GROUP=group, CAUSAL=meta.causal and meta.max_query_len > 1, PAGE_SIZE=k_cache.shape[1],
         BLOCK_M=decode_block_m(meta.max_query_len, group),
         BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_DTYPE=_dot_dtype(query, k_cache),
         SINGLE_SPLIT=single, PREFETCH_PAGES=tiling.prefetch_pages if prefetch_pages is None else prefetch_pages,
-        num_warps=num_warps or tiling.num_warps, num_stages=num_stages or tiling.num_stages,
+        MAX_SPLIT_TILES=max_split_tiles, num_warps=num_warps or tiling.num_warps, num_stages=num_stages or tiling.num_stages,
     )
     if not single:
         _decode_reduce_kernel[(num_seqs, num_q_heads, meta.max_query_len)](
             partial_out, partial_lse, out, meta.query_start_loc, meta.seq_lens,
-            out.stride(0), out.stride(1), num_q_heads, num_splits, split_len,
-            HEAD_DIM=head_dim, BLOCK_S=reduce_block_s(num_splits), BLOCK_D=block_d, num_warps=4,
+            out.stride(0), out.stride(1), num_q_heads, num_splits, splits_per_seq,
+            BLOCK_N=block_n, MAX_SPLIT_TILES=max_split_tiles, HEAD_DIM=head_dim, BLOCK_S=REDUCE_BLOCK_S,
+            BLOCK_D=block_d, num_warps=4,
         )
     return out
 
@@ -473,9 +503,8 @@ def decode_block_m(max_query_len: int, group: int) -> int:
     return max(16, triton.next_power_of_2(max_query_len * group))
 
 
-def reduce_block_s(num_splits: int) -> int:
-    """Partials a merge program loads at once: a few sizes only (each is a compile), at least 16."""
-    return max(16, triton.next_power_of_2(num_splits))
+# Partials a merge program loads at once (``_decode_reduce_kernel``): one size, so one compile.
+REDUCE_BLOCK_S = 16
 
 
 def decode_block_n(k_cache: torch.Tensor) -> int:
@@ -483,30 +512,25 @@ def decode_block_n(k_cache: torch.Tensor) -> int:
     return 16 if INTERPRET else DECODE_TILING[k_cache.element_size()].block_n
 
 
-def split_plan(max_seq_len: int, block_n: int, num_programs: int, device: torch.device,
-               split_tiles: int | None = None, num_splits: int | None = None,
-               programs_per_multiprocessor: int = 2) -> tuple[int, int]:
-    """(splits, positions per split) of a split-KV launch over contexts up to ``max_seq_len``: ``split_tiles``
-    tiles a split when set (``AttentionMetadata.decode_split_tiles``), else ``num_splits`` or the default for
-    ``num_programs`` (sequences x kv heads); never a split that starts past ``max_seq_len``."""
-    num_tiles = max(1, triton.cdiv(max_seq_len, block_n))
-    if num_splits is None and split_tiles is not None:
-        # Exactly that many tiles a split, whatever max_seq_len is: a graph (max_seq_len = the capacity) and an
-        # eager step (max_seq_len = the batch's) cut a sequence's keys at the same places, so they sum alike.
-        tiles_per_split = min(split_tiles, num_tiles)
-    else:
-        if num_splits is None:
-            num_splits = _default_num_splits(num_programs, num_tiles, device, programs_per_multiprocessor)
-        tiles_per_split = triton.cdiv(num_tiles, min(num_splits, num_tiles))
-    return triton.cdiv(num_tiles, tiles_per_split), tiles_per_split * block_n
+def grid_splits(max_seq_len: int, block_n: int, splits_per_seq: int, max_split_tiles: int) -> int:
+    """Programs per (sequence, kv head) of a split-KV launch over contexts up to ``max_seq_len``: enough for the
+    most splits ``_seq_split`` gives any of its sequences; the programs of a shorter one's missing splits return
+    at once."""
+    tiles = max(1, triton.cdiv(max_seq_len, block_n))
+    return min(tiles, max(splits_per_seq, triton.cdiv(tiles, max_split_tiles)))
+
+
+def max_split_tiles_for(block_n: int, max_split_keys: int | None = None) -> int:
+    """The most tiles one split of a long sequence reads (``_seq_split``): ``MAX_SPLIT_KEYS`` keys by default."""
+    return max(1, (max_split_keys or MAX_SPLIT_KEYS) // block_n)
 
 
 def precompile(num_q_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, query_dtype: torch.dtype, *,
                causal: bool, max_seq_len: int, k_scale: float = 1.0, v_scale: float = 1.0) -> set[tuple]:
     """Compile now every variant of the store and attention kernels that steps over these caches can take: query
     blocks of any length (each ``varlen_block_m`` / ``decode_block_m``; either varlen grid), causal as the layers
-    are, one split or many, and every ``reduce_block_s`` of a context up to ``max_seq_len``. A variant first met
-    while serving compiles in the middle of a step, and every request of the replica waits for it (1-2 s on an H200).
+    are, one split or many (and the merge). A variant first met while serving compiles in the middle of a step, and
+    every request of the replica waits for it (1-2 s on an H200).
 
     Runs the kernels over one sequence whose table points every position at page 0, which they only read; the
     store gets no slot, so it writes nothing. Returns the variants launched, as ``(kernel, constexprs...)``."""
@@ -519,11 +543,9 @@ def precompile(num_q_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, q
     store_kv(key, key, k_cache, v_cache, torch.full((1,), -1, dtype=torch.int64, device=device), k_scale, v_scale)
     launched = {("store",)}
     block_n = decode_block_n(k_cache)
-    num_tiles = max(1, triton.cdiv(max_seq_len, block_n))
-    # Split requests that land in every reduce_block_s up to the one of num_tiles splits (``split_plan`` turns a
-    # request of s <= num_tiles splits into more than s / 2).
-    buckets = [16 << i for i in range(32) if (16 << i) // 2 < num_tiles]
-    split_requests = sorted({1, min(2, num_tiles), *(min(b, num_tiles) for b in buckets)})
+    max_split_tiles = max_split_tiles_for(block_n)
+    # One split (one tile), and many (the context in splits of at most max_split_tiles tiles): each merges.
+    split_requests = [(1, min(max_seq_len, block_n)), (max(1, triton.cdiv(max_seq_len, block_n)), max_seq_len)]
     q = 1
     # Query blocks of 1, 2, 4, ... 64: every varlen tile (it saturates at 64 rows) and every split-KV one (those
     # blocks stop at 64 rows, 64 / group queries).
@@ -537,12 +559,14 @@ def precompile(num_q_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, q
             varlen_attention(query, k_cache, v_cache, meta, 1.0, k_scale, v_scale, flat_grid=flat)
             launched.add(("varlen", varlen_block_m(q, group), causal, flat))
         if q <= split_kv_max_query_len(group):
-            for requested in split_requests if q == 1 else split_requests[:2]:
-                splits, _ = split_plan(max_seq_len, block_n, num_kv_heads, device, num_splits=requested)
-                decode_attention(query, k_cache, v_cache, meta, 1.0, k_scale, v_scale, num_splits=requested)
+            for wanted, context in split_requests:
+                meta.max_seq_len = context
+                meta.seq_lens = torch.tensor([context], dtype=torch.int32, device=device)
+                splits = grid_splits(context, block_n, wanted, max_split_tiles)
+                decode_attention(query, k_cache, v_cache, meta, 1.0, k_scale, v_scale, num_splits=wanted)
                 launched.add(("decode", decode_block_m(q, group), causal and q > 1, splits == 1))
                 if splits > 1:
-                    launched.add(("reduce", reduce_block_s(splits)))
+                    launched.add(("reduce",))
         q *= 2
     return launched
 
@@ -592,28 +616,38 @@ class DecodeTiling:
     num_stages: int
     # Page ids one tile ahead. Timed apart on an H200 (benchmarks/attention_check.py's sweep, Qwen3-8B heads, page
     # 16): fp8 rose from 56 to 63% of its floor at batch 32 x 4k and from 55 to 59% at 128 x 1k; bf16 fell from 99
-    # to 81% and from 100 to 92%. So on for fp8 caches only. 4 programs per multiprocessor instead of 2 changed
-    # nothing beyond the noise for either dtype, alone or with the prefetch.
+    # to 81% and from 100 to 92%. So on for fp8 caches only. Programs per multiprocessor size the split count
+    # (``splits_per_sequence``): 4 instead of 2 changed nothing beyond the noise on the H200, 1 was faster on an H100.
     prefetch_pages: bool = False
-    programs_per_multiprocessor: int = 2
+    programs_per_multiprocessor: int = 1
 
 
 # Per cache element size (bytes): 16 KB K tiles, three stages. On an H200 (Qwen3-8B heads, batch 32 x 4k) 128-row
 # fp8 tiles ran 1.3x faster than 64-row ones and 8 warps 1.6x slower than 4; bf16 was fastest at 64 rows, 4 warps.
 DECODE_TILING = {1: DecodeTiling(128, 4, 3, prefetch_pages=True), 2: DecodeTiling(64, 4, 3), 4: DecodeTiling(32, 4, 2)}
-MIN_TILES_PER_SPLIT = 1
+# Keys one split of a long sequence reads at most: a long sequence in a batch of short ones gets more splits than
+# they do (``_seq_split``), so its programs do not run alone long after theirs. On an H100 (per layer, a CUDA graph's
+# metadata: the grid spans a 32k capacity), 2048 against 4096 and 8192: a 16k sequence among 31 of 1k 90 against 134
+# and 206 us (fp8), 32k among 31 of 2k 118 against 163 and 252 us; uniform batches within 5% of one another, but
+# batch 32 x 4k (fp8 122 against 116 us, bf16 224 against 202) and 128 x 1k (fp8 144 against 131-133 us).
+MAX_SPLIT_KEYS = 64 if INTERPRET else 2048
 
 
-def _default_num_splits(num_programs: int, num_tiles: int, device: torch.device,
-                        programs_per_multiprocessor: int = 2) -> int:
-    """A power of two of splits that gives every multiprocessor a couple of programs, each at least one tile.
+def splits_per_sequence(num_seqs: int, num_kv_heads: int, device: torch.device,
+                        programs_per_multiprocessor: int = 1) -> int:
+    """Splits per sequence of a split-KV launch: a power of two that gives every multiprocessor
+    ``programs_per_multiprocessor`` programs (``_seq_split`` takes fewer for a sequence of fewer tiles). Judged on
+    the batch a CUDA graph pads ``num_seqs`` to, so that an eager step and a graphed one of the same rows split
+    alike.
 
-    On an H200 (8 kv heads): batch 32 x 4k bf16 ran 98% of its floor with 2 splits, 85% with 3, 95% with 4;
-    batch 8 x 4k 78% with 8 splits, 65% with 4; batch 1 x 4k fp8 was fastest with 32 one-tile splits.
+    On an H100 (8 kv heads, page 16; split kernel and merge timed together in CUDA graphs, every split count of each
+    case in one run): one program per multiprocessor was the fastest count or within 3% of it in every case, fp8
+    and bf16, batch 1-128 x context 1k-16k; two (the earlier default) took 1.0-1.3x as long, e.g. batch 32 x 1k
+    fp8 43.4 against 34.3 us, batch 32 x 4k bf16 223.5 against 191.3 us.
     """
-    wanted = triton.next_power_of_2(triton.cdiv(programs_per_multiprocessor * _multiprocessor_count(device),
-                                                num_programs))
-    return max(1, min(wanted, num_tiles // MIN_TILES_PER_SPLIT))
+    wanted = triton.cdiv(programs_per_multiprocessor * _multiprocessor_count(device),
+                         graph_batch(num_seqs) * num_kv_heads)
+    return triton.next_power_of_2(wanted)
 
 
 @functools.cache

@@ -88,7 +88,7 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from serve_app.config import serve_env
+    from serve_app.serve_env import serve_env
 
     serving = serve_env()       # before Serve is imported here, and passed on to every process of the cluster
     import httpx

@@ -4,7 +4,7 @@ import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from serve_app.config import serve_env  # noqa: E402
+from serve_app.serve_env import serve_env  # noqa: E402
 
 serve_env()       # Serve as `dflash-serve up` runs it, in this process and the clusters it starts
 

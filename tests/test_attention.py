@@ -376,6 +376,21 @@ def test_triton_decode_attention_matches_torch(query_dtype, cache_dtype, kv_scal
 
 
 @pytest.mark.triton
+def test_a_merge_of_more_splits_than_it_loads_at_once_takes_them_all():
+    """40 splits of one tile: the merge takes their partials 16 at a time (REDUCE_BLOCK_S), in three rounds, and
+    weighs every split against the same maximum; a short sequence beside it has one split and writes its own."""
+    from engine import triton_attention as ta
+
+    assert ta.REDUCE_BLOCK_S < 40
+    block_n = ta.decode_block_n(make_layer_caches(1, 16, torch.float32)[1])
+    meta, k_cache, v_cache, query = _triton_case(torch.float32, torch.float32, 1.0, 16,
+                                                 [(40 * block_n - 1, 1), (5, 1)], num_q_heads=8)
+    out = ta.decode_attention(query, k_cache, v_cache, meta, 0.2, num_splits=40,
+                              max_split_keys=40 * block_n)
+    assert rel_err(out, run("torch", query, k_cache, v_cache, meta, 0.2)) < 1e-5
+
+
+@pytest.mark.triton
 @pytest.mark.parametrize("query_dtype,cache_dtype,kv_scale,tol", TRITON_DTYPES)
 @pytest.mark.parametrize("num_splits,page_size", [(1, 16), (3, 16), (20, 1)])
 def test_triton_decode_with_page_ids_loaded_a_tile_ahead(query_dtype, cache_dtype, kv_scale, tol, num_splits,
@@ -452,35 +467,23 @@ def test_triton_dispatch_sends_short_blocks_to_split_kernel(monkeypatch, batch, 
 
 @pytest.mark.triton
 @pytest.mark.parametrize("causal", [True, False])
-def test_fixed_tiles_per_split_sum_alike_whatever_the_longest_sequence(causal):
-    """A CUDA graph's metadata has max_seq_len = the whole capacity, an eager step's the batch's longest sequence;
-    with decode_split_tiles both cut each sequence's keys every that many tiles, so the results are bit-identical
-    (an engine's graphed and eager verification agree to the bit). Here the eager batch is 5 tiles long: split
-    into even shares instead it would cut at 3 tiles."""
-    from engine.triton_attention import decode_attention
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_each_sequence_splits_by_its_own_length_so_graphs_and_eager_steps_sum_alike(causal, num_splits):
+    """A CUDA graph's metadata has max_seq_len = the whole capacity, an eager step's the batch's longest sequence:
+    the grids differ (2 splits against 32 here), but every sequence's keys are cut at the same places, chosen from
+    its own length, so the results are bit-identical (a graphed and an eager engine decode and verify alike)."""
+    from engine import triton_attention as ta
 
     meta, k_cache, v_cache, query = _triton_case(torch.float32, torch.float32, 1.0, 16, [(64, 16), (20, 9), (3, 1)],
                                                  num_q_heads=8)
-    meta.causal, meta.decode_split_tiles = causal, 4
-    eager = decode_attention(query, k_cache, v_cache, meta, 0.2)
+    meta.causal = causal
+    eager = ta.decode_attention(query, k_cache, v_cache, meta, 0.2, num_splits=num_splits)
     assert rel_err(eager, run("torch", query, k_cache, v_cache, meta, 0.2)) < 1e-5
-    meta.max_seq_len = 64 * 16                         # a graph's: the block table's capacity
-    graphed = decode_attention(query, k_cache, v_cache, meta, 0.2)
+    block_n, most = ta.decode_block_n(k_cache), ta.max_split_tiles_for(ta.decode_block_n(k_cache))
+    meta.max_seq_len = 32 * most * block_n             # a graph's: the block table's capacity
+    assert ta.grid_splits(meta.max_seq_len, block_n, num_splits or 1, most) == 32
+    graphed = ta.decode_attention(query, k_cache, v_cache, meta, 0.2, num_splits=num_splits)
     assert torch.equal(eager, graphed)
-
-
-def test_eager_blocks_of_several_queries_split_keys_as_the_graphs_do():
-    from engine.cuda_graphs import GRAPH_DECODE_SPLIT_TILES
-    from engine.model_runner import Row, build_metadata
-    from kv.manager import KVCacheManager
-    from kv.pool import KVPool
-    from kv.spec import KVLayerSpec, LayerOwner
-
-    kv = KVCacheManager([KVPool([KVLayerSpec(LayerOwner.TARGET, 0, torch.float32, 2, 8)], 4, 8)])
-    assert kv.allocate_slots("a", 12)
-    for q, tiles in ((1, None), (5, GRAPH_DECODE_SPLIT_TILES)):
-        _, meta = build_metadata(kv, 0, [Row("a", 12 - q, q)], causal=True, backend="triton", device="cpu")
-        assert meta.decode_split_tiles == tiles
 
 
 def test_short_blocks_take_the_split_kernel_only_while_the_varlen_grid_leaves_multiprocessors_idle(monkeypatch):
@@ -521,31 +524,35 @@ def test_triton_decode_handles_head_dim_below_tile_and_rows_without_query(cache_
 
 
 def test_decode_splits_fill_the_multiprocessors(monkeypatch):
-    """One long sequence is split until every multiprocessor has work; a batch that fills the GPU is not split,
-    and no split is left without a tile (a split count past the tiles would only add empty programs)."""
-    from engine import triton_attention
+    """A lone sequence is split until every multiprocessor has a program; a batch that fills the GPU is not split;
+    a sequence of fewer tiles takes fewer splits, and one longer than that many splits of MAX_SPLIT_KEYS keys more,
+    so the grid covers it."""
+    from engine import triton_attention as ta
 
-    monkeypatch.setattr(triton_attention, "_multiprocessor_count", lambda device: 132)  # an H100 / H200
-    splits = triton_attention._default_num_splits
+    monkeypatch.setattr(ta, "_multiprocessor_count", lambda device: 132)  # an H100 / H200
     cpu = torch.device("cpu")
-    assert splits(num_programs=8, num_tiles=32, device=cpu) == 32  # batch 1 x 8 kv heads, 4k fp8 in 128-row tiles
-    assert splits(num_programs=8 * 8, num_tiles=32, device=cpu) == 8  # batch 8: 512 programs
-    assert splits(num_programs=32 * 8, num_tiles=32, device=cpu) == 2  # batch 32: 2, not 3 (uneven, 15% slower)
-    assert splits(num_programs=128 * 8, num_tiles=32, device=cpu) == 1  # batch 128 fills the GPU alone
-    assert splits(num_programs=8, num_tiles=3, device=cpu) == 3  # a short context: one tile per split at most
-    assert splits(num_programs=32 * 8, num_tiles=32, device=cpu, programs_per_multiprocessor=4) == 4
+    splits = ta.splits_per_sequence
+    assert splits(1, 8, cpu) == 32                     # batch 1 x 8 kv heads: 256 programs for 132 multiprocessors
+    assert splits(8, 8, cpu) == 4 and splits(5, 8, cpu) == 4        # 5 rows pad to a graph of 8
+    assert splits(32, 8, cpu) == 1 and splits(128, 8, cpu) == 1
+    assert splits(32, 8, cpu, programs_per_multiprocessor=2) == 2
+    assert ta.grid_splits(3 * 128, 128, 32, 64) == 3                # 3 tiles: 3 splits at most
+    assert ta.grid_splits(1000 * 128, 128, 1, 64) == 16             # 1,000 tiles, at most 64 a split
 
 
 @pytest.mark.triton
 @pytest.mark.parametrize("cache_dtype,num_q_heads,causal", [(torch.float32, 4, True), (FP8_DTYPE, 2, False)])
-def test_precompile_launches_every_variant_a_step_can_take(cache_dtype, num_q_heads, causal):
+def test_precompile_launches_every_variant_a_step_can_take(cache_dtype, num_q_heads, causal, monkeypatch):
     """A variant first met while serving compiles inside a step and stalls the replica (1-2 s on an H200):
     ``precompile`` must launch every one that batches of any query length, sequence count, context and split
     setting over these caches choose, as the wrappers choose them."""
     from engine import triton_attention as ta
 
-    max_seq_len, page_size = 80, 4
+    # Contexts of up to 20 tiles with as many multiprocessors as an H100: up to 32 splits, merged 16 at a time.
+    monkeypatch.setattr(ta, "_multiprocessor_count", lambda device: 132)
+    page_size = 4
     _, k_cache, v_cache = make_layer_caches(24, page_size, cache_dtype)
+    max_seq_len = 20 * ta.decode_block_n(k_cache)
     launched = ta.precompile(num_q_heads, k_cache, v_cache, torch.float32, causal=causal, max_seq_len=max_seq_len,
                              k_scale=0.5, v_scale=0.5)
     group = num_q_heads // NUM_KV_HEADS
@@ -554,15 +561,15 @@ def test_precompile_launches_every_variant_a_step_can_take(cache_dtype, num_q_he
     for q in range(1, 65):
         needed |= {("varlen", ta.varlen_block_m(q, group), causal, flat) for flat in (False, True)}
     for q in range(1, ta.split_kv_max_query_len(group) + 1):
-        for seq_len in range(q, max_seq_len + 1):
-            for num_seqs in range(1, 9):
-                for tiles in (None, 1, 4):
-                    splits, _ = ta.split_plan(seq_len, block_n, num_seqs * NUM_KV_HEADS, torch.device(DEVICE), tiles)
-                    needed.add(("decode", ta.decode_block_m(q, group), causal and q > 1, splits == 1))
-                    if splits > 1:
-                        needed.add(("reduce", ta.reduce_block_s(splits)))
+        for num_seqs in range(1, 9):
+            wanted = ta.splits_per_sequence(num_seqs, NUM_KV_HEADS, torch.device(DEVICE))
+            for seq_len in range(q, max_seq_len + 1):
+                splits = ta.grid_splits(seq_len, block_n, wanted, ta.max_split_tiles_for(block_n))
+                needed.add(("decode", ta.decode_block_m(q, group), causal and q > 1, splits == 1))
+                if splits > 1:
+                    needed.add(("reduce",))
     assert needed <= launched, needed - launched
-    assert max(s for _, s in (v for v in needed if v[0] == "reduce")) == ta.reduce_block_s(-(-max_seq_len // block_n))
+    assert ("reduce",) in needed and ("decode", 16, False, True) in needed
 
 
 def test_kernels_do_not_specialise_on_values_that_vary_between_steps():

@@ -6,7 +6,8 @@ import pytest
 import yaml
 
 from serve_app.commands import check_port_free
-from serve_app.config import SERVE_ENV, ConfigError, ServiceConfig, load_config_file, parse_service_config, serve_env
+from serve_app.config import ConfigError, ServiceConfig, load_config_file, parse_service_config
+from serve_app.serve_env import SERVE_ENV, serve_env
 
 CONFIGS = Path(__file__).resolve().parents[1] / "cluster_configs"
 SERVE_CONFIGS = ["local_cpu.yaml", "agg_gpu.yaml", "disagg_1p1d_gpu.yaml", "disagg_2p1d_gpu.yaml", "disagg_1gpu.yaml"]
