@@ -13,7 +13,8 @@ Each step runs in a process of its own under a time limit, its whole output kept
 4. ``spec``: ``spec_bench.py``, the spec step against a plain one (8B-shaped random pair at batch 1 and 32) and the
    trained demo pair's speedup over its AL;
 5. ``attention``: ``attention_check.py --no-sweep``, the kernels against torch and the decode kernels against their
-   bytes floor (its tuning sweep, prefetching page ids among it, takes a call of its own).
+   bytes floor (its tuning sweep, prefetching page ids among it, takes a call of its own);
+6. ``split_kv`` (GPU only): ``split_kv_bench.py``, the split-KV kernel as eager steps and CUDA graphs call it.
 
 Exits 1 if a step failed. The Ray + NIXL service on the GPU is ``gpu_service.py`` (it needs those wheels).
 """
@@ -53,7 +54,7 @@ def steps(device: str, out: Path) -> list[tuple[str, list[str], int]]:
                             "--num-prompts", "16" if gpu else "2",
                             "--max-tokens", "128" if gpu else "16", "--json", str(out / "spec_demo.json")], 120),
         ("attention", py + ["benchmarks/attention_check.py", "--no-sweep"] + ([] if gpu else ["--cpu-smoke"]), 240),
-    ]
+    ] + ([("split_kv", py + ["benchmarks/split_kv_bench.py", "--max-split-keys", "2048"], 120)] if gpu else [])
 
 
 def headline(name: str, out: Path) -> str:
