@@ -280,7 +280,8 @@ def _seq_split(seq_len, splits_per_seq, BLOCK_N: tl.constexpr, MAX_SPLIT_TILES: 
     spans the batch's longest sequence) cut every sequence's keys at the same places and sum alike, to the bit."""
     tiles = tl.cdiv(seq_len, BLOCK_N)
     wanted = tl.maximum(splits_per_seq, tl.cdiv(tiles, MAX_SPLIT_TILES))
-    tiles_per_split = tl.cdiv(tiles, tl.maximum(tl.minimum(wanted, tiles), 1))
+    # At least one tile a split, so that a row of no keys (batch padding) divides by nothing.
+    tiles_per_split = tl.maximum(tl.cdiv(tiles, tl.maximum(tl.minimum(wanted, tiles), 1)), 1)
     return tiles_per_split * BLOCK_N, tl.cdiv(tiles, tiles_per_split)
 
 
@@ -478,7 +479,8 @@ def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
         BLOCK_M=decode_block_m(meta.max_query_len, group),
         BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_DTYPE=_dot_dtype(query, k_cache),
         SINGLE_SPLIT=single, PREFETCH_PAGES=tiling.prefetch_pages if prefetch_pages is None else prefetch_pages,
-        MAX_SPLIT_TILES=max_split_tiles, num_warps=num_warps or tiling.num_warps, num_stages=num_stages or tiling.num_stages,
+        MAX_SPLIT_TILES=max_split_tiles,
+        num_warps=num_warps or tiling.num_warps, num_stages=num_stages or tiling.num_stages,
     )
     if not single:
         _decode_reduce_kernel[(num_seqs, num_q_heads, meta.max_query_len)](
@@ -544,7 +546,8 @@ def precompile(num_q_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, q
     launched = {("store",)}
     block_n = decode_block_n(k_cache)
     max_split_tiles = max_split_tiles_for(block_n)
-    # One split (one tile), and many (the context in splits of at most max_split_tiles tiles): each merges.
+    # (splits per sequence, context): a context of one tile (one split, no merge), and the whole context at a split
+    # per tile (many splits and the merge).
     split_requests = [(1, min(max_seq_len, block_n)), (max(1, triton.cdiv(max_seq_len, block_n)), max_seq_len)]
     q = 1
     # Query blocks of 1, 2, 4, ... 64: every varlen tile (it saturates at 64 rows) and every split-KV one (those
