@@ -6,14 +6,16 @@ GPU:  python benchmarks/engine_bench.py --preset qwen3-8b --device cuda --batche
 Prints prefill and decode tokens/s per batch for both, their ratio, and the decode step time against the floor
 of reading the weights and the KV once at the copy bandwidth measured here. ``--modes`` lists engines to run side
 by side as ``graphs/overlap`` pairs (``cuda_graphs`` and ``overlap`` settings); on CUDA by default eager, graphed,
-and graphed with the decode steps launched ahead of the host (``off/off,on/off,on/on``); with ``--repeats N``
-they take turns N times per batch and the step time is the median. ``--profile`` then prints, for the last mode's
+and graphed with the decode steps launched ahead of the host (``off/off,on/off,on/on``); a third field ``torch``
+(``on/on/torch``) keeps every linear on cuBLAS, without the few-row Triton kernel (``triton_ops.linear``); with
+``--repeats N`` they take turns N times per batch and the step time is the median. ``--profile`` then prints, for the last mode's
 decode step, the kernels a step launches, the GPU's busy time against the step's wall time, and the top kernels.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -28,6 +30,19 @@ PRESETS = {
     "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192),
 }
+
+
+@contextlib.contextmanager
+def linears(mode: tuple[str, ...]):
+    """The few-row linear kernel off (every linear on cuBLAS) while a ``.../torch`` mode's engine captures or runs."""
+    from engine import triton_ops
+
+    default = triton_ops.SKINNY_MAX_ROWS
+    triton_ops.SKINNY_MAX_ROWS = 0 if mode[2:] == ("torch",) else default
+    try:
+        yield
+    finally:
+        triton_ops.SKINNY_MAX_ROWS = default
 
 
 def sync(device):
@@ -158,7 +173,7 @@ def main():
         max_seqs = max(64, max(batches))
         engines = {}
         for mode in modes:
-            graphs, overlap = mode
+            graphs, overlap = mode[:2]
             if device.type == "cpu":
                 engines[mode] = LLM(tmp, dtype=str(dtype).removeprefix("torch."), max_num_batched_tokens=8192,
                                     max_num_seqs=max_seqs, page_size=16, cuda_graphs=graphs, overlap=overlap).engine
@@ -166,10 +181,12 @@ def main():
                 # Share transformers' weights instead of writing 16 GB to disk.
                 cfg = Qwen3Config.from_dict({**preset, "rms_norm_eps": 1e-6, "rope_theta": 1e6})
                 model = Qwen3Model(cfg, dict(hf.state_dict()), device, dtype, "random")
-                engines[mode] = build_engine_from_model(
-                    model, EngineConfig(model="random", device=args.device, dtype=str(dtype).removeprefix("torch."),
-                                        max_num_batched_tokens=8192, max_num_seqs=max_seqs,
-                                        kv_cache_bytes=8 * 2**30, cuda_graphs=graphs, overlap=overlap))
+                with linears(mode):
+                    engines[mode] = build_engine_from_model(
+                        model, EngineConfig(model="random", device=args.device,
+                                            dtype=str(dtype).removeprefix("torch."), max_num_batched_tokens=8192,
+                                            max_num_seqs=max_seqs, kv_cache_bytes=8 * 2**30, cuda_graphs=graphs,
+                                            overlap=overlap))
         bw = copy_bandwidth(device)
         weight_bytes = sum(t.numel() * t.element_size() for t in hf.state_dict().values())
         c = preset
@@ -183,21 +200,23 @@ def main():
             # Bytes read over the copy bandwidth, which counts read + write: a copy moves twice the bytes it
             # reads, so read-only traffic streams at about that rate (half of it made the floor twice too long).
             floor = (weight_bytes + batch * ctx * kv_bytes_per_token) / bw
-            for engine in engines.values():
+            for mode, engine in engines.items():
                 # Warm-up at this batch's full shapes: the first prefill of a shape compiles kernels and grows the
                 # caching allocator, which would otherwise land in the timed prefill of whichever engine runs first.
                 # Other token ids, so that the timed prompts find nothing in the prefix cache.
-                time_engine(engine, [[(t + 1) % c["vocab_size"] for t in p] for p in prompts], 2)
+                with linears(mode):
+                    time_engine(engine, [[(t + 1) % c["vocab_size"] for t in p] for p in prompts], 2)
             timings = {mode: [] for mode in engines}
             for rep in range(args.repeats):
                 for mode, engine in engines.items():
                     # Each pass's prompts differ in their first token: no pass reuses another's prefix.
-                    timings[mode].append(time_engine(engine, [[(p[0] + 2 + rep) % c["vocab_size"]] + p[1:]
-                                                              for p in prompts], args.out_len))
+                    with linears(mode):
+                        timings[mode].append(time_engine(engine, [[(p[0] + 2 + rep) % c["vocab_size"]] + p[1:]
+                                                                  for p in prompts], args.out_len))
             for mode in engines:
                 e_prefill = statistics.median(t[0] for t in timings[mode])
                 e_step = statistics.median(t[1] for t in timings[mode])
-                row = dict(batch=batch, graphs=mode[0], overlap=mode[1],
+                row = dict(batch=batch, graphs=mode[0], overlap=mode[1], linears=(mode[2:] or ("triton",))[0],
                            engine_prefill_tok_s=batch * args.prompt_len / e_prefill,
                            hf_prefill_tok_s=batch * args.prompt_len / h_prefill,
                            engine_decode_tok_s=batch / e_step, hf_decode_tok_s=batch / h_step,
@@ -208,15 +227,17 @@ def main():
                 row["floor_over_engine"] = floor / e_step
                 results.append(row)
             if args.profile and device.type == "cuda":
-                profile_decode(engines[modes[-1]], prompts, args.out_len)
+                with linears(modes[-1]):
+                    profile_decode(engines[modes[-1]], prompts, args.out_len)
     print(f"device {device} dtype {dtype} preset {args.preset}: weights {weight_bytes / 2**30:.2f} GiB, "
           f"copy bandwidth {bw / 1e9:.0f} GB/s (read+write)")
-    print(f"{'batch':>5} {'graphs':>6} {'overlap':>7} {'prefill tok/s':>14} {'hf':>10} {'ratio':>6} "
+    print(f"{'batch':>5} {'graphs':>6} {'overlap':>7} {'linears':>7} {'prefill tok/s':>14} {'hf':>10} {'ratio':>6} "
           f"{'decode tok/s':>13} {'hf':>10} "
           f"{'ratio':>6} "
           f"{'step ms':>8} {'hf ms':>8} {'floor ms':>9} {'floor/step':>10}")
     for r in results:
-        print(f"{r['batch']:>5} {r['graphs']:>6} {r['overlap']:>7} {r['engine_prefill_tok_s']:>14.0f} "
+        print(f"{r['batch']:>5} {r['graphs']:>6} {r['overlap']:>7} {r['linears']:>7} "
+              f"{r['engine_prefill_tok_s']:>14.0f} "
               f"{r['hf_prefill_tok_s']:>10.0f} "
               f"{r['prefill_ratio']:>6.2f} {r['engine_decode_tok_s']:>13.0f} {r['hf_decode_tok_s']:>10.0f} "
               f"{r['decode_ratio']:>6.2f} {r['engine_step_ms']:>8.2f} {r['hf_step_ms']:>8.2f} "

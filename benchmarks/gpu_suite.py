@@ -14,7 +14,8 @@ Each step runs in a process of its own under a time limit, its whole output kept
    trained demo pair's speedup over its AL;
 5. ``attention``: ``attention_check.py --no-sweep``, the kernels against torch and the decode kernels against their
    bytes floor (its tuning sweep, prefetching page ids among it, takes a call of its own);
-6. ``split_kv`` (GPU only): ``split_kv_bench.py``, the split-KV kernel as eager steps and CUDA graphs call it.
+6. ``split_kv`` (GPU only): ``split_kv_bench.py``, the split-KV kernel as eager steps and CUDA graphs call it;
+7. ``linears`` (GPU only): ``linear_bench.py``, the few-row linear kernel against cuBLAS and the bytes floor.
 
 Exits 1 if a step failed. The Ray + NIXL service on the GPU is ``gpu_service.py`` (it needs those wheels).
 """
@@ -54,7 +55,8 @@ def steps(device: str, out: Path) -> list[tuple[str, list[str], int]]:
                             "--num-prompts", "16" if gpu else "2",
                             "--max-tokens", "128" if gpu else "16", "--json", str(out / "spec_demo.json")], 120),
         ("attention", py + ["benchmarks/attention_check.py", "--no-sweep"] + ([] if gpu else ["--cpu-smoke"]), 240),
-    ] + ([("split_kv", py + ["benchmarks/split_kv_bench.py", "--max-split-keys", "2048"], 120)] if gpu else [])
+    ] + ([("split_kv", py + ["benchmarks/split_kv_bench.py", "--max-split-keys", "2048"], 120),
+          ("linears", py + ["benchmarks/linear_bench.py", "--json", str(out / "linears.json")], 120)] if gpu else [])
 
 
 def headline(name: str, out: Path) -> str:
@@ -69,6 +71,14 @@ def headline(name: str, out: Path) -> str:
             return next((line.strip("= ") for line in reversed(lines) if " passed" in line or " failed" in line), "")
         return ""
     data = json.loads(path.read_text())
+    if name == "linears":
+        layer = [r for r in data if r["weight"] in ("qkv", "o", "gate_up", "down")]
+
+        def ratio(rows: int) -> float:
+            return (sum(r["cublas_us"] for r in layer if r["rows"] == rows)
+                    / sum(r["triton_us"] for r in layer if r["rows"] == rows))
+        return "; ".join(f"{rows} rows: layer cuBLAS / Triton {ratio(rows):.3f}"
+                         for rows in sorted({r["rows"] for r in layer}))
     if name == "engine":
         return "; ".join(f"b{r['batch']} {r['graphs']}/{r['overlap']}: {r['engine_step_ms']:.2f} ms, "
                          f"{r['floor_over_engine']:.2f} of floor" for r in data)

@@ -70,6 +70,10 @@ class Speculator(Protocol):
         """The drafter layers' attention (``LLMEngine.precompile_kernels``)."""
         ...
 
+    def linear_weights(self) -> list[torch.Tensor]:
+        """The weights (and weight views) the drafter's linears multiply by (``LLMEngine.precompile_kernels``)."""
+        ...
+
     def can_draft_ahead(self, batch: int) -> bool:
         """Whether ``draft_ahead`` can run a batch of this many rows (overlap)."""
         ...
@@ -249,18 +253,24 @@ class LLMEngine:
         return sites
 
     def precompile_kernels(self) -> list[set[tuple]]:
-        """Compile every Triton attention variant a step can take (``triton_attention.precompile``), before the
-        engine serves: one met later compiles inside a step and stalls every running request for a second or
-        two. Per site, the variants launched. Triton keeps the binaries on disk, so a restart loads them."""
-        from engine import triton_attention
+        """Compile every Triton attention variant a step can take (``triton_attention.precompile``) and the few-row
+        linears' tiles (``triton_ops.precompile_linears``), before the engine serves: one met later compiles inside
+        a step and stalls every running request for a second or two. Per attention site, the variants launched.
+        Triton keeps the binaries on disk, so a restart loads them."""
+        from engine import triton_attention, triton_ops
 
         start = time.perf_counter()
         launched = [triton_attention.precompile(site.num_q_heads, site.kv.k_cache, site.kv.v_cache, site.query_dtype,
                                                 causal=site.causal, max_seq_len=self.max_model_len,
                                                 k_scale=site.kv.k_scale, v_scale=site.kv.v_scale)
                     for site in self.attention_sites()]
-        log.info("attention kernels ready: %d variants in %.1f s", sum(map(len, launched)),
-                 time.perf_counter() - start)
+        weights = [w for layer in self.model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        weights.append(self.model.lm_head)
+        if self.speculator is not None:
+            weights += self.speculator.linear_weights()
+        linears = triton_ops.precompile_linears(weights, self.model.dtype)
+        log.info("kernels ready: %d attention variants, %d linear shapes in %.1f s", sum(map(len, launched)),
+                 linears, time.perf_counter() - start)
         return launched
 
     def enable_cuda_graphs(self, capture: bool = True, ragged: bool = True) -> None:

@@ -34,6 +34,16 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     return rms_norm(x, weight, eps), (x if residual is not None else None)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+    """``F.linear(x, weight)``; the Triton backend takes a few-row kernel for the short steps' rows on a GPU
+    (``triton_ops.linear``), where cuBLAS's kernels stream the weights below the copy rate."""
+    if backend == "triton":
+        from engine import triton_ops
+
+        return triton_ops.linear(x, weight)
+    return F.linear(x, weight)
+
+
 def rope_table(head_dim: int, theta: float, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 cos/sin ``[max_positions, head_dim]`` of rotate-half RoPE."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
@@ -125,7 +135,7 @@ def swiglu_mlp(x: torch.Tensor, w: DecoderLayerWeights, backend: str = "torch") 
     if backend == "triton":
         from engine import triton_ops
 
-        return F.linear(triton_ops.silu_mul(F.linear(x, w.gate_up)), w.down)
+        return linear(triton_ops.silu_mul(linear(x, w.gate_up, backend)), w.down, backend)
     gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, w.down)
 
@@ -197,21 +207,21 @@ class Qwen3Model:
         """The sum over ranks of a row-parallel layer's partial output (``x`` itself without TP)."""
         return x if self.tp is None else self.tp.all_reduce(x)
 
-    def lm_logits(self, normed: torch.Tensor) -> torch.Tensor:
+    def lm_logits(self, normed: torch.Tensor, backend: str = "torch") -> torch.Tensor:
         """float32 logits ``[..., V]`` of final-normed hidden states (the drafter's too), on every rank."""
-        logits = F.linear(normed, self.lm_head)
+        logits = linear(normed, self.lm_head, backend)
         if self.tp is not None:
             logits = self.tp.all_gather_vocab(logits, self.config.vocab_size)
         return logits.float()
 
     def compute_logits(self, hidden: torch.Tensor, backend: str = "torch") -> torch.Tensor:
         """Logits in float32 from final (un-normed) hidden states."""
-        return self.lm_logits(add_rms_norm(hidden, self.norm, self.config.rms_norm_eps, backend=backend)[0])
+        return self.lm_logits(add_rms_norm(hidden, self.norm, self.config.rms_norm_eps, backend=backend)[0], backend)
 
     def attention(self, layer: DecoderLayerWeights, x: torch.Tensor, positions: torch.Tensor, kv: LayerKV,
                   meta: AttentionMetadata) -> torch.Tensor:
         c = self.config
-        qkv = F.linear(x, layer.qkv)
+        qkv = linear(x, layer.qkv, meta.backend)
         if meta.backend == "triton":
             from engine import triton_ops
 
@@ -227,7 +237,7 @@ class Qwen3Model:
             k = self.rope(k, positions)
         store_kv(k, v, kv.k_cache, kv.v_cache, meta.slot_mapping, kv.k_scale, kv.v_scale, backend=meta.backend)
         out = paged_attention(q, kv.k_cache, kv.v_cache, meta, self.scale, kv.k_scale, kv.v_scale)
-        return self.reduce(F.linear(out.flatten(-2), layer.o))
+        return self.reduce(linear(out.flatten(-2), layer.o, meta.backend))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: Sequence[LayerKV],
                 meta: AttentionMetadata, capture_layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:

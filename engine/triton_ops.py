@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.triton_attention import _round_to_bf16_grid
+from engine.triton_attention import INTERPRET, _round_to_bf16_grid
 
 _ROUNDING = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -156,3 +156,103 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         _silu_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](
             rows, out, rows.stride(0), out.stride(0), n, ROUND=_rounding(gate_up.dtype), BLOCK=block, num_warps=4)
     return out.view(*gate_up.shape[:-1], n)
+
+
+# --- few-row linears ----------------------------------------------------------------------------------------------
+# A decode step's linears multiply a handful of rows by a weight read once: pure bandwidth. cuBLAS's kernels for
+# those shapes stream an H100's weights at 0.67-0.95 of the copy rate, lowest for the square 4096 x 4096 o_proj;
+# this kernel (one program per BLOCK_N output columns, looping over K through a deep pipeline of weight tiles)
+# at 0.77-1.0 (benchmarks/README.md, "Few-row linears"). It takes up to SKINNY_MAX_ROWS rows: at 32 cuBLAS is
+# as fast or faster.
+SKINNY_MAX_ROWS = 16
+SKINNY_BLOCK_K = 128
+_SKINNY_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, w_stride, out_stride, ROUND: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          DOT_FP32: tl.constexpr):
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    # Masks vary by row only (K is a multiple of BLOCK_K), so the weight tiles load as wide vectors.
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * x_stride + ks[None, :]
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * w_stride + ks[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for _ in range(0, K, BLOCK_K):
+        x = tl.load(x_ptrs, mask=rows[:, None] < M, other=0.0)
+        w = tl.load(w_ptrs, mask=cols[:, None] < N, other=0.0)
+        if DOT_FP32:       # the interpreter's tl.dot multiplies bf16 bit patterns as integers
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out = _round(acc, ROUND).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], out, mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def skinny_fits(rows: int, weight: torch.Tensor, x_dtype: torch.dtype) -> bool:
+    """Whether ``linear`` takes the few-row kernel for ``rows`` rows of ``x_dtype`` times ``weight`` ``[N, K]``."""
+    return (weight.is_cuda and 1 <= rows <= SKINNY_MAX_ROWS and x_dtype in _SKINNY_DTYPES
+            and weight.dtype == x_dtype and weight.dim() == 2 and weight.stride(-1) == 1
+            and weight.shape[1] % SKINNY_BLOCK_K == 0)
+
+
+def _skinny_tiles(n: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_N, stages): wide weights take 64-column tiles, others 32 (at 4096 columns about one program per
+    multiprocessor); as many pipeline stages (up to 6) as the device's shared memory holds."""
+    block_n = 64 if n >= 16384 else 32
+    stage_bytes = (16 + block_n) * SKINNY_BLOCK_K * 2
+    return block_n, max(2, min(6, (_shared_memory(device) - 8192) // stage_bytes))
+
+
+_SHARED_MEMORY: dict[int, int] = {}
+
+
+def _shared_memory(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SHARED_MEMORY:
+        props = triton.runtime.driver.active.utils.get_device_properties(index)
+        _SHARED_MEMORY[index] = props["max_shared_mem"]
+    return _SHARED_MEMORY[index]
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int] | None = None) -> torch.Tensor:
+    """``x @ weight.T`` through the few-row kernel (``x`` ``[..., K]``, at most ``SKINNY_MAX_ROWS`` rows;
+    ``weight`` ``[N, K]`` with K a multiple of ``SKINNY_BLOCK_K``), fp32 accumulation rounded once to x's dtype.
+    ``tiles`` (BLOCK_N, stages) overrides ``_skinny_tiles`` (tests on CPU)."""
+    n, k = weight.shape
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1 or weight.stride(-1) != 1 or k % SKINNY_BLOCK_K or rows.shape[0] > SKINNY_MAX_ROWS:
+        raise ValueError(f"skinny_linear takes at most {SKINNY_MAX_ROWS} rows with contiguous last dims and K a "
+                         f"multiple of {SKINNY_BLOCK_K}, got x {tuple(x.shape)} strides {x.stride()} and weight "
+                         f"{tuple(weight.shape)} strides {weight.stride()}")
+    out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        block_n, stages = tiles or _skinny_tiles(n, x.device)
+        _skinny_linear_kernel[(triton.cdiv(n, block_n),)](
+            rows, weight, out, rows.shape[0], n, k, rows.stride(0), weight.stride(0), out.stride(0),
+            ROUND=_rounding(x.dtype), BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=SKINNY_BLOCK_K,
+            DOT_FP32=INTERPRET and x.dtype == torch.bfloat16, num_stages=stages, num_warps=4)
+    return out.view(*x.shape[:-1], n)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)``, through the few-row kernel where it applies (``skinny_fits``)."""
+    if skinny_fits(x.numel() // x.shape[-1] if x.shape[-1] else 0, weight, x.dtype) and x.stride(-1) == 1:
+        return skinny_linear(x, weight)
+    return torch.nn.functional.linear(x, weight)
+
+
+def precompile_linears(weights, dtype: torch.dtype) -> int:
+    """Launch the few-row kernel once for each of ``weights``' shapes (before serving: a variant met later would
+    compile inside a step). Returns the shapes launched."""
+    launched = set()
+    for weight in weights:
+        key = (tuple(weight.shape), weight.stride(0))
+        if skinny_fits(1, weight, dtype) and key not in launched:
+            launched.add(key)
+            skinny_linear(torch.zeros(1, weight.shape[1], dtype=dtype, device=weight.device), weight)
+    return len(launched)

@@ -65,6 +65,13 @@ class DFlashSpeculator:
         """Drafter blocks attend non-causally over their context and themselves."""
         return AttentionSite(self.drafter.num_heads, self.layer_kv[0], self.drafter.fc.dtype, causal=False)
 
+    def linear_weights(self) -> list[torch.Tensor]:
+        """The context projection and each layer's: q, k and v (blocks), k and v alone (context stores), o, MLP."""
+        d = self.drafter
+        kv_rows = d.num_heads * d.config.head_dim
+        return [d.fc] + [w for layer in d.layers for w in (layer.qkv, layer.qkv[kv_rows:], layer.o, layer.gate_up,
+                                                               layer.down)]
+
     def enable_graphs(self, max_batch: int, max_pages: int, capture: bool, max_tokens: int | None
                       ) -> list[StepGraphs | RaggedGraphs]:
         """Draft full blocks (``num_spec_tokens`` drafts a row) through ``StepGraphs``, and store contexts of up
@@ -174,7 +181,7 @@ class DFlashSpeculator:
         hidden = self.drafter.forward_block(self.target.embed(ids), positions, self.layer_kv, meta)
         hidden = hidden.view(-1, width, hidden.shape[-1])
         # Slot k predicts start + k; the target's LM head (vocab-parallel under TP) gives the logits.
-        return self.target.lm_logits(self.drafter.final_norm(hidden[:, 1:], self.backend))
+        return self.target.lm_logits(self.drafter.final_norm(hidden[:, 1:], self.backend), self.backend)
 
     def propose(self, rows: Sequence[ScheduledRequest]) -> list[Proposal]:
         try:

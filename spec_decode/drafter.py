@@ -26,8 +26,8 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention, store_kv
 from engine.checkpoint import CheckpointError, Qwen3Config, load_tensors, read_config, require, take
-from engine.model import (DecoderLayerWeights, LayerKV, Qwen3Model, add_rms_norm, apply_rope, load_decoder_layer,
-                          rms_norm, rope_table, swiglu_mlp)
+from engine.model import (DecoderLayerWeights, LayerKV, Qwen3Model, add_rms_norm, apply_rope, linear,
+                          load_decoder_layer, rms_norm, rope_table, swiglu_mlp)
 from engine.parallel import ShardPlan, TensorParallel, active
 from kv.spec import KVLayerSpec, LayerOwner, make_layer_specs
 
@@ -251,7 +251,7 @@ class DFlashDrafter(nn.Module):
     # --- the layers -----------------------------------------------------------------------------
     def project_context(self, captured: torch.Tensor, backend: str = "torch") -> torch.Tensor:
         """Target hidden states [..., n*H] at target_layer_ids -> drafter context [..., H]."""
-        return add_rms_norm(F.linear(captured, self.fc), self.hidden_norm, self.config.rms_norm_eps,
+        return add_rms_norm(linear(captured, self.fc, backend), self.hidden_norm, self.config.rms_norm_eps,
                             backend=backend)[0]
 
     def _q(self, layer: DFlashLayer, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -280,8 +280,9 @@ class DFlashDrafter(nn.Module):
 
         c = self.config
         weight = layer.qkv[(self.num_heads - num_heads) * c.head_dim:]
-        return triton_ops.qk_norm_rope(F.linear(x, weight), num_heads, self.num_kv_heads, c.head_dim, layer.q_norm,
-                                       layer.k_norm, c.rms_norm_eps, positions, self.rope_cos, self.rope_sin)
+        return triton_ops.qk_norm_rope(triton_ops.linear(x, weight), num_heads, self.num_kv_heads, c.head_dim,
+                                       layer.q_norm, layer.k_norm, c.rms_norm_eps, positions, self.rope_cos,
+                                       self.rope_sin)
 
     def _decode(self, h: torch.Tensor, positions: torch.Tensor, attend: Attend, backend: str = "torch"
                 ) -> torch.Tensor:
@@ -295,7 +296,7 @@ class DFlashDrafter(nn.Module):
             else:
                 q = self._q(layer, x, positions)
                 k, v = self._kv(layer, x, positions)
-            out = self._reduce(F.linear(attend(i, q, k, v).flatten(-2), layer.o))
+            out = self._reduce(linear(attend(i, q, k, v).flatten(-2), layer.o, backend))
             x, h = add_rms_norm(out, layer.post_norm, eps, h, backend)
             mlp = self._reduce(swiglu_mlp(x, layer, backend))
             if i + 1 < len(self.layers):

@@ -74,6 +74,52 @@ def test_silu_mul_over_the_fused_gate_up(dtype):
     torch.testing.assert_close(ops().silu_mul(gate_up), torch.nn.functional.silu(gate) * up, **TOLERANCE[dtype])
 
 
+# The few-row linear: on CPU (the interpreter) with small tiles forced, on a GPU with the tiles it picks.
+SKINNY_TILES = [(32, 2), (64, 3)] if DEVICE == "cpu" else [None]
+
+
+@pytest.mark.parametrize("tiles", SKINNY_TILES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_few_row_linear_equals_the_matmul_to_rounding(dtype, tiles):
+    """Rows 1 to 16 (strided rows, leading dims) times a weight whose columns end in a partial tile, against the
+    float32 product rounded once: within one ulp of the activation dtype (the sum's order differs)."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 100, 384
+    weight = (torch.randn(n, k, generator=g) / 16).to(dtype).to(DEVICE)
+    for rows in (1, 5, 16):
+        wide = torch.randn(rows, 2, k, generator=g).to(dtype).to(DEVICE)
+        x = wide[:, 1]                                      # rows 2K apart
+        got = ops().skinny_linear(x, weight, tiles)
+        want = (x.float() @ weight.float().T).to(dtype)
+        assert got.shape == (rows, n) and got.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+    batched = torch.randn(2, 3, k, generator=g).to(dtype).to(DEVICE)
+    got = ops().skinny_linear(batched, weight, tiles)
+    assert got.shape == (2, 3, n)
+    torch.testing.assert_close(got.float(), (batched.float() @ weight.float().T).to(dtype).float(), rtol=2 ** -7,
+                               atol=1e-3)
+
+
+def test_linear_takes_the_few_row_kernel_only_where_it_applies():
+    """On a GPU: half-precision rows up to SKINNY_MAX_ROWS with K a multiple of the K tile; everything else (and
+    anything on the CPU) is torch's own product, to the bit."""
+    g = torch.Generator().manual_seed(4)
+    weight = (torch.randn(96, 256, generator=g) / 16).to(torch.bfloat16).to(DEVICE)
+    few = torch.randn(8, 256, generator=g).to(torch.bfloat16).to(DEVICE)
+    many = torch.randn(ops().SKINNY_MAX_ROWS + 1, 256, generator=g).to(torch.bfloat16).to(DEVICE)
+    on_gpu = DEVICE == "cuda"
+    assert ops().skinny_fits(8, weight, torch.bfloat16) is on_gpu
+    assert not ops().skinny_fits(ops().SKINNY_MAX_ROWS + 1, weight, torch.bfloat16)
+    assert not ops().skinny_fits(0, weight, torch.bfloat16)
+    assert not ops().skinny_fits(8, weight.float(), torch.float32)
+    assert not ops().skinny_fits(8, weight[:, :200], torch.bfloat16)
+    assert torch.equal(ops().linear(many, weight), torch.nn.functional.linear(many, weight))
+    if on_gpu:
+        assert torch.equal(ops().linear(few, weight), ops().skinny_linear(few, weight))
+    else:
+        assert torch.equal(ops().linear(few, weight), torch.nn.functional.linear(few, weight))
+
+
 def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="contiguous last dim"):
         ops().rms_norm(torch.randn(4, 8).t(), torch.ones(4), 1e-6)
@@ -82,6 +128,10 @@ def test_bad_inputs_are_refused():
                            torch.ones(8, 4), torch.ones(8, 4))
     with pytest.raises(ValueError, match="activations"):
         ops().silu_mul(torch.zeros(2, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        ops().skinny_linear(torch.zeros(2, 200), torch.zeros(8, 200), (32, 2))
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        ops().skinny_linear(torch.zeros(17, 256), torch.zeros(8, 256), (32, 2))
 
 
 def test_a_triton_engine_decodes_the_torch_engine_tokens(tmp_path):
