@@ -160,10 +160,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # --- few-row linears ----------------------------------------------------------------------------------------------
 # A decode step's linears multiply a handful of rows by a weight read once: pure bandwidth. cuBLAS's kernels for
-# those shapes stream an H100's weights at 0.67-0.95 of the copy rate, lowest for the square 4096 x 4096 o_proj;
-# this kernel (one program per BLOCK_N output columns, looping over K through a deep pipeline of weight tiles)
-# at 0.77-1.0 (benchmarks/README.md, "Few-row linears"). It takes up to SKINNY_MAX_ROWS rows: at 32 cuBLAS is
-# as fast or faster.
+# those shapes stream the weights at 0.58-0.95 of the copy rate, lowest for the square 4096 x 4096 o_proj; this
+# kernel (one program per BLOCK_N output columns, looping over K through a pipeline of weight tiles) at 0.66-1.0
+# (benchmarks/README.md, "Few-row linears"). It takes up to SKINNY_MAX_ROWS rows: at 32 cuBLAS is as fast or
+# faster.
 SKINNY_MAX_ROWS = 16
 SKINNY_BLOCK_K = 128
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
@@ -200,12 +200,14 @@ def skinny_fits(rows: int, weight: torch.Tensor, x_dtype: torch.dtype) -> bool:
             and weight.shape[1] % SKINNY_BLOCK_K == 0)
 
 
-def _skinny_tiles(n: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK_N, stages): wide weights take 64-column tiles, others 32 (at 4096 columns about one program per
-    multiprocessor); as many pipeline stages (up to 6) as the device's shared memory holds."""
-    block_n = 64 if n >= 16384 else 32
-    stage_bytes = (16 + block_n) * SKINNY_BLOCK_K * 2
-    return block_n, max(2, min(6, (_shared_memory(device) - 8192) // stage_bytes))
+def _skinny_tiles(n: int, k: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, stages), from a sweep on an H100 and an H200 (benchmarks/README.md): weights of 16k+
+    rows take 64-column tiles 3 deep, others 32 columns 6 deep, 256 wide along a long K (one program per
+    multiprocessor at 4096 columns); as many stages as the device's shared memory holds."""
+    block_n, stages = (64, 3) if n >= 16384 else (32, 6)
+    block_k = 256 if k >= 8192 and k % 256 == 0 else SKINNY_BLOCK_K
+    stage_bytes = (16 + block_n) * block_k * 2
+    return block_n, block_k, max(2, min(stages, (_shared_memory(device) - 8192) // stage_bytes))
 
 
 _SHARED_MEMORY: dict[int, int] = {}
@@ -219,10 +221,11 @@ def _shared_memory(device: torch.device) -> int:
     return _SHARED_MEMORY[index]
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int] | None = None) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int] | None = None
+                  ) -> torch.Tensor:
     """``x @ weight.T`` through the few-row kernel (``x`` ``[..., K]``, at most ``SKINNY_MAX_ROWS`` rows;
     ``weight`` ``[N, K]`` with K a multiple of ``SKINNY_BLOCK_K``), fp32 accumulation rounded once to x's dtype.
-    ``tiles`` (BLOCK_N, stages) overrides ``_skinny_tiles`` (tests on CPU)."""
+    ``tiles`` (BLOCK_N, BLOCK_K, stages) overrides ``_skinny_tiles`` (tests on CPU)."""
     n, k = weight.shape
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1 or weight.stride(-1) != 1 or k % SKINNY_BLOCK_K or rows.shape[0] > SKINNY_MAX_ROWS:
@@ -231,10 +234,12 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int] 
                          f"{tuple(weight.shape)} strides {weight.stride()}")
     out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
     if rows.shape[0]:
-        block_n, stages = tiles or _skinny_tiles(n, x.device)
+        block_n, block_k, stages = tiles or _skinny_tiles(n, k, x.device)
+        if k % block_k:
+            raise ValueError(f"K {k} is not a multiple of the K tile {block_k}")
         _skinny_linear_kernel[(triton.cdiv(n, block_n),)](
             rows, weight, out, rows.shape[0], n, k, rows.stride(0), weight.stride(0), out.stride(0),
-            ROUND=_rounding(x.dtype), BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=SKINNY_BLOCK_K,
+            ROUND=_rounding(x.dtype), BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
             DOT_FP32=INTERPRET and x.dtype == torch.bfloat16, num_stages=stages, num_warps=4)
     return out.view(*x.shape[:-1], n)
 

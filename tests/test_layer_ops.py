@@ -75,7 +75,7 @@ def test_silu_mul_over_the_fused_gate_up(dtype):
 
 
 # The few-row linear: on CPU (the interpreter) with small tiles forced, on a GPU with the tiles it picks.
-SKINNY_TILES = [(32, 2), (64, 3)] if DEVICE == "cpu" else [None]
+SKINNY_TILES = [(32, 128, 2), (64, 256, 3)] if DEVICE == "cpu" else [None]
 
 
 @pytest.mark.parametrize("tiles", SKINNY_TILES)
@@ -84,7 +84,7 @@ def test_the_few_row_linear_equals_the_matmul_to_rounding(dtype, tiles):
     """Rows 1 to 16 (strided rows, leading dims) times a weight whose columns end in a partial tile, against the
     float32 product rounded once: within one ulp of the activation dtype (the sum's order differs)."""
     g = torch.Generator().manual_seed(3)
-    n, k = 100, 384
+    n, k = 100, 512
     weight = (torch.randn(n, k, generator=g) / 16).to(dtype).to(DEVICE)
     for rows in (1, 5, 16):
         wide = torch.randn(rows, 2, k, generator=g).to(dtype).to(DEVICE)
@@ -129,9 +129,11 @@ def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="activations"):
         ops().silu_mul(torch.zeros(2, 4, dtype=torch.int32))
     with pytest.raises(ValueError, match="multiple of 128"):
-        ops().skinny_linear(torch.zeros(2, 200), torch.zeros(8, 200), (32, 2))
+        ops().skinny_linear(torch.zeros(2, 200), torch.zeros(8, 200), (32, 128, 2))
+    with pytest.raises(ValueError, match="K tile 256"):
+        ops().skinny_linear(torch.zeros(2, 384), torch.zeros(8, 384), (32, 256, 2))
     with pytest.raises(ValueError, match="at most 16 rows"):
-        ops().skinny_linear(torch.zeros(17, 256), torch.zeros(8, 256), (32, 2))
+        ops().skinny_linear(torch.zeros(17, 256), torch.zeros(8, 256), (32, 128, 2))
 
 
 def test_a_triton_engine_decodes_the_torch_engine_tokens(tmp_path):
