@@ -1,7 +1,7 @@
-"""The engine's GPU tests and benchmarks in one go (issue 12), sized for one call on the H200 machine (torch only:
-no Ray, no NIXL), printing one table at the end:
+"""The engine's GPU tests and benchmarks in one go (issue 12), on one GPU machine (torch only: no Ray, no NIXL),
+printing one table at the end:
 
-    python3 benchmarks/gpu_suite.py --out out/gpu_suite                          # ~7 min on one H200
+    python3 benchmarks/gpu_suite.py --out out/gpu_suite                          # ~10 min on one GPU (--only splits it)
     .venv/bin/python benchmarks/gpu_suite.py --device cpu --out out/gpu_suite    # the same steps, small, on CPU
 
 Each step runs in a process of its own under a time limit, its whole output kept in ``--out``:
@@ -15,7 +15,9 @@ Each step runs in a process of its own under a time limit, its whole output kept
 5. ``attention``: ``attention_check.py --no-sweep``, the kernels against torch and the decode kernels against their
    bytes floor (its tuning sweep, prefetching page ids among it, takes a call of its own);
 6. ``split_kv`` (GPU only): ``split_kv_bench.py``, the split-KV kernel as eager steps and CUDA graphs call it;
-7. ``linears`` (GPU only): ``linear_bench.py``, the few-row linear kernel against cuBLAS and the bytes floor.
+7. ``linears`` (GPU only): ``linear_bench.py``, the few-row linear kernel against cuBLAS and the bytes floor;
+8. ``linears_engine`` (GPU only): ``engine_bench.py`` with the kernel on and off (every linear on cuBLAS), the
+   graphed + overlapped decode step at batch 1 / 8 / 32 (32 takes cuBLAS either way: the control).
 
 Exits 1 if a step failed. The Ray + NIXL service on the GPU is ``gpu_service.py`` (it needs those wheels).
 """
@@ -56,7 +58,11 @@ def steps(device: str, out: Path) -> list[tuple[str, list[str], int]]:
                             "--max-tokens", "128" if gpu else "16", "--json", str(out / "spec_demo.json")], 120),
         ("attention", py + ["benchmarks/attention_check.py", "--no-sweep"] + ([] if gpu else ["--cpu-smoke"]), 240),
     ] + ([("split_kv", py + ["benchmarks/split_kv_bench.py", "--max-split-keys", "2048"], 120),
-          ("linears", py + ["benchmarks/linear_bench.py", "--json", str(out / "linears.json")], 120)] if gpu else [])
+          ("linears", py + ["benchmarks/linear_bench.py", "--json", str(out / "linears.json")], 120),
+          ("linears_engine", py + ["benchmarks/engine_bench.py", "--preset", "qwen3-8b", "--device", "cuda",
+                                   "--prompt-len", "512", "--out-len", "32", "--batches", "1,8,32", "--modes",
+                                   "on/on,on/on/torch", "--repeats", "3",
+                                   "--json", str(out / "linears_engine.json")], 240)] if gpu else [])
 
 
 def headline(name: str, out: Path) -> str:
@@ -79,6 +85,10 @@ def headline(name: str, out: Path) -> str:
                     / sum(r["triton_us"] for r in layer if r["rows"] == rows))
         return "; ".join(f"{rows} rows: layer cuBLAS / Triton {ratio(rows):.3f}"
                          for rows in sorted({r["rows"] for r in layer}))
+    if name == "linears_engine":
+        step = {(r["batch"], r["linears"]): r["engine_step_ms"] for r in data}
+        return "; ".join(f"b{b}: {step[b, 'triton']:.2f} ms, cuBLAS / Triton {step[b, 'torch'] / step[b, 'triton']:.3f}"
+                         for b in sorted({b for b, _ in step}))
     if name == "engine":
         return "; ".join(f"b{r['batch']} {r['graphs']}/{r['overlap']}: {r['engine_step_ms']:.2f} ms, "
                          f"{r['floor_over_engine']:.2f} of floor" for r in data)
