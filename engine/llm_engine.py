@@ -264,14 +264,18 @@ class LLMEngine:
                                                 causal=site.causal, max_seq_len=self.max_model_len,
                                                 k_scale=site.kv.k_scale, v_scale=site.kv.v_scale)
                     for site in self.attention_sites()]
+        linears = triton_ops.precompile_linears(self.linear_weights(), self.model.dtype)
+        log.info("kernels ready: %d attention variants, %d linear shapes in %.1f s", sum(map(len, launched)),
+                 linears, time.perf_counter() - start)
+        return launched
+
+    def linear_weights(self) -> list[torch.Tensor]:
+        """Every weight (or weight view) a step's linears multiply by: the target's, its LM head, the drafter's."""
         weights = [w for layer in self.model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         weights.append(self.model.lm_head)
         if self.speculator is not None:
             weights += self.speculator.linear_weights()
-        linears = triton_ops.precompile_linears(weights, self.model.dtype)
-        log.info("kernels ready: %d attention variants, %d linear shapes in %.1f s", sum(map(len, launched)),
-                 linears, time.perf_counter() - start)
-        return launched
+        return weights
 
     def enable_cuda_graphs(self, capture: bool = True, ragged: bool = True) -> None:
         """Decode and verification steps (rows of 1 or K + 1 tokens) and the drafter's blocks through CUDA graphs

@@ -68,8 +68,8 @@ class DFlashSpeculator:
     def linear_weights(self) -> list[torch.Tensor]:
         """The context projection and each layer's: q, k and v (blocks), k and v alone (context stores), o, MLP."""
         d = self.drafter
-        kv_rows = d.num_heads * d.config.head_dim
-        return [d.fc] + [w for layer in d.layers for w in (layer.qkv, layer.qkv[kv_rows:], layer.o, layer.gate_up,
+        q_rows = d.num_heads * d.config.head_dim
+        return [d.fc] + [w for layer in d.layers for w in (layer.qkv, layer.qkv[q_rows:], layer.o, layer.gate_up,
                                                                layer.down)]
 
     def enable_graphs(self, max_batch: int, max_pages: int, capture: bool, max_tokens: int | None

@@ -120,6 +120,27 @@ def test_linear_takes_the_few_row_kernel_only_where_it_applies():
         assert torch.equal(ops().linear(few, weight), torch.nn.functional.linear(few, weight))
 
 
+def test_the_precompiled_linears_are_every_weight_a_spec_step_multiplies_by(monkeypatch):
+    """``LLMEngine.linear_weights`` (what start-up compiles the few-row kernel for) holds every weight the target's
+    and the drafter's forwards pass to ``triton_ops.linear``: one missed would compile inside a step while serving."""
+    llm = SpecLLM(str(DEMO / "target"), draft=str(DEMO / "drafter"), device=DEVICE, page_size=16,
+                  attention_backend="triton")
+    seen = set()
+    linear = ops().linear
+
+    def recording(x, weight):
+        seen.add((weight.data_ptr(), tuple(weight.shape), weight.stride()))
+        return linear(x, weight)
+
+    monkeypatch.setattr(ops(), "linear", recording)
+    out = llm.generate(["import os\nimport sys\n"], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    assert len(out.acceptance_lengths) > 1                 # drafted and verified, not only prefilled
+    covered = {(w.data_ptr(), tuple(w.shape), w.stride()) for w in llm.engine.linear_weights()}
+    assert seen and seen <= covered, seen - covered
+    drafter = llm.engine.speculator.drafter
+    assert (drafter.fc.data_ptr(), tuple(drafter.fc.shape), drafter.fc.stride()) in seen   # the drafter's too
+
+
 def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="contiguous last dim"):
         ops().rms_norm(torch.randn(4, 8).t(), torch.ones(4), 1e-6)
