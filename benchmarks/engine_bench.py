@@ -7,8 +7,10 @@ Prints prefill and decode tokens/s per batch for both, their ratio, and the deco
 of reading the weights and the KV once at the copy bandwidth measured here. ``--modes`` lists engines to run side
 by side as ``graphs/overlap`` pairs (``cuda_graphs`` and ``overlap`` settings); on CUDA by default eager, graphed,
 and graphed with the decode steps launched ahead of the host (``off/off,on/off,on/on``); a third field ``torch``
-(``on/on/torch``) keeps every linear on cuBLAS, without the few-row Triton kernel (``triton_ops.linear``); with
-``--repeats N`` they take turns N times per batch and the step time is the median. ``--profile`` then prints, for the last mode's
+(``on/on/torch``) keeps every linear on cuBLAS, without the few-row Triton kernel (``triton_ops.linear``), and
+``unfused`` keeps that kernel but runs the layers' norms, residual adds and SwiGLU as kernels of their own
+(``triton_ops.FUSED_LAYERS``); with ``--repeats N`` they take turns N times per batch and the step time is the
+median. ``--profile`` then prints, for the last mode's
 decode step, the kernels a step launches, the GPU's busy time against the step's wall time, and the top kernels.
 """
 
@@ -34,15 +36,19 @@ PRESETS = {
 
 @contextlib.contextmanager
 def linears(mode: tuple[str, ...]):
-    """The few-row linear kernel off (every linear on cuBLAS) while a ``.../torch`` mode's engine captures or runs."""
+    """While a mode's engine captures or runs: the few-row linear kernel off (every linear on cuBLAS) for
+    ``.../torch``, the layers' elementwise work in kernels of its own for ``.../unfused``."""
     from engine import triton_ops
 
-    default = triton_ops.SKINNY_MAX_ROWS
-    triton_ops.SKINNY_MAX_ROWS = 0 if mode[2:] == ("torch",) else default
+    if mode[2:] not in ((), ("triton",), ("torch",), ("unfused",)):
+        raise SystemExit(f"unknown linears setting in mode {'/'.join(mode)} (triton, torch or unfused)")
+    rows, fused = triton_ops.SKINNY_MAX_ROWS, triton_ops.FUSED_LAYERS
+    triton_ops.SKINNY_MAX_ROWS = 0 if mode[2:] == ("torch",) else rows
+    triton_ops.FUSED_LAYERS = mode[2:] != ("unfused",)
     try:
         yield
     finally:
-        triton_ops.SKINNY_MAX_ROWS = default
+        triton_ops.SKINNY_MAX_ROWS, triton_ops.FUSED_LAYERS = rows, fused
 
 
 def sync(device):

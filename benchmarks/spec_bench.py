@@ -133,18 +133,20 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=1, help="passes of each engine, taking turns (medians)")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--linears", choices=["triton", "torch"], default="triton",
-                    help="torch: every linear on cuBLAS, without the few-row Triton kernel (triton_ops.linear)")
+    ap.add_argument("--linears", choices=["triton", "torch", "unfused"], default="triton",
+                    help="torch: every linear on cuBLAS, without the few-row Triton kernel (triton_ops.linear); "
+                         "unfused: that kernel without the layers' norms, residual adds and SwiGLU folded in")
     ap.add_argument("--profile", action="store_true", help="kernels and GPU busy time of a few with-drafter steps")
     ap.add_argument("--host", action="store_true",
                     help="cProfile the host's Python over the with-drafter generation (top functions by own and by "
                          "cumulative time)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if args.linears == "torch":
-        from engine import triton_ops
+    from engine import triton_ops
 
+    if args.linears == "torch":
         triton_ops.SKINNY_MAX_ROWS = 0
+    triton_ops.FUSED_LAYERS = args.linears == "triton"
     base, spec, prompts = demo_engines(args) if args.preset == "demo" else random_engines(args)
     run(base, prompts[:2], 8, args.batch, phases=False)          # warm-up
     run(spec, prompts[:2], 8, args.batch, phases=False)

@@ -13,7 +13,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import RAGGED_MAX_TOKENS, RaggedGraphs, StepGraphs, use_cuda_graphs
-from engine.model import AttentionSite, Qwen3Model
+from engine.model import AttentionSite, Qwen3Model, fused_linears
 from engine.model_runner import ModelRunner, Row
 from engine.parallel import OP_STOP, OP_SYNC, OP_TARGET
 from engine.sampler import (LogitsBlock, LogitsState, accept_greedy, adjust_logits, probabilities, rejection_sample,
@@ -72,6 +72,11 @@ class Speculator(Protocol):
 
     def linear_weights(self) -> list[torch.Tensor]:
         """The weights (and weight views) the drafter's linears multiply by (``LLMEngine.precompile_kernels``)."""
+        ...
+
+    def fused_linears(self) -> list[tuple[torch.Tensor, dict]]:
+        """The drafter's decoder layers' linears with the work a few-row step folds into them
+        (``engine.model.fused_linears``)."""
         ...
 
     def can_draft_ahead(self, batch: int) -> bool:
@@ -264,8 +269,8 @@ class LLMEngine:
                                                 causal=site.causal, max_seq_len=self.max_model_len,
                                                 k_scale=site.kv.k_scale, v_scale=site.kv.v_scale)
                     for site in self.attention_sites()]
-        linears = triton_ops.precompile_linears(self.linear_weights(), self.model.dtype)
-        log.info("kernels ready: %d attention variants, %d linear shapes in %.1f s", sum(map(len, launched)),
+        linears = triton_ops.precompile_linears(self.linear_weights(), self.model.dtype, self.fused_linears())
+        log.info("kernels ready: %d attention variants, %d linear variants in %.1f s", sum(map(len, launched)),
                  linears, time.perf_counter() - start)
         return launched
 
@@ -276,6 +281,13 @@ class LLMEngine:
         if self.speculator is not None:
             weights += self.speculator.linear_weights()
         return weights
+
+    def fused_linears(self) -> list[tuple[torch.Tensor, dict]]:
+        """The target's and the drafter's linears with the work a few-row step folds into them
+        (``engine.model.decoder_layers``), on one rank (none under TP)."""
+        if self.model.tp is not None:
+            return []
+        return fused_linears(self.model.layers) + (self.speculator.fused_linears() if self.speculator else [])
 
     def enable_cuda_graphs(self, capture: bool = True, ragged: bool = True) -> None:
         """Decode and verification steps (rows of 1 or K + 1 tokens) and the drafter's blocks through CUDA graphs

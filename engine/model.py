@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,6 +140,71 @@ def swiglu_mlp(x: torch.Tensor, w: DecoderLayerWeights, backend: str = "torch") 
     return F.linear(F.silu(gate) * up, w.down)
 
 
+# Receives (layer index, the layer's weights, its qkv projection ``[T, (Hq + 2 Hkv) * D]``) and returns the
+# attention output ``[T, Hq * D]`` before o_proj.
+LayerAttention = Callable[[int, DecoderLayerWeights, torch.Tensor], torch.Tensor]
+
+
+def fuses_layers(layers: Sequence[DecoderLayerWeights], rows: int, dtype: torch.dtype, backend: str,
+                 reduce: Callable | None) -> bool:
+    """Whether ``decoder_layers`` folds each layer's norms, residual adds and SwiGLU into its linears (the few-row
+    kernel's prologue and epilogue): a step of few half-precision rows on the Triton backend, on one rank (the
+    residual add comes after a TP all-reduce)."""
+    if backend != "triton" or reduce is not None or not layers:
+        return False
+    from engine import triton_ops
+
+    first = layers[0]
+    return triton_ops.FUSED_LAYERS and all(triton_ops.skinny_fits(rows, w, dtype)
+                                           for w in (first.qkv, first.o, first.gate_up, first.down))
+
+
+def decoder_layers(h: torch.Tensor, layers: Sequence[DecoderLayerWeights], attention: LayerAttention, eps: float,
+                   backend: str, reduce: Callable | None = None, capture: Sequence[int] = ()
+                   ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """The pre-norm residual stream ``h`` ``[T, H]`` through ``layers`` (the target's and the drafter's): the
+    last layer's output, before the final norm, and the stream after each layer of ``capture``. ``reduce`` sums a
+    row-parallel linear's partial outputs over TP ranks (None: one rank).
+
+    A few-row step on the Triton backend (``fuses_layers``) runs 4 linears a layer and no norm or SwiGLU kernel:
+    qkv and gate_up norm the stream as they read it, o_proj and down_proj add their product to it, down_proj takes
+    SwiGLU of the gate_up projection as it reads it."""
+    captured = {}
+    if fuses_layers(layers, h.numel() // h.shape[-1], h.dtype, backend, reduce):
+        from engine.triton_ops import skinny_linear
+
+        for i, layer in enumerate(layers):
+            qkv = skinny_linear(h, layer.qkv, norm=layer.input_norm, eps=eps)
+            h = skinny_linear(attention(i, layer, qkv), layer.o, residual=h)
+            gate_up = skinny_linear(h, layer.gate_up, norm=layer.post_norm, eps=eps)
+            h = skinny_linear(gate_up, layer.down, silu=True, residual=h)
+            if i in capture:
+                captured[i] = h
+        return h, captured
+    reduce = reduce or (lambda x: x)
+    # Each norm takes the residual add before it (one fused kernel on the Triton backend).
+    x, _ = add_rms_norm(h, layers[0].input_norm, eps, backend=backend)
+    for i, layer in enumerate(layers):
+        out = reduce(linear(attention(i, layer, linear(x, layer.qkv, backend)), layer.o, backend))
+        x, h = add_rms_norm(out, layer.post_norm, eps, h, backend)
+        mlp = reduce(swiglu_mlp(x, layer, backend))
+        if i + 1 < len(layers):
+            x, h = add_rms_norm(mlp, layers[i + 1].input_norm, eps, h, backend)
+        else:
+            h = h + mlp
+        if i in capture:
+            captured[i] = h
+    return h, captured
+
+
+def fused_linears(layers: Sequence[DecoderLayerWeights]) -> list[tuple[torch.Tensor, dict]]:
+    """Each linear of ``layers`` with the fused work ``decoder_layers`` gives it (``skinny_linear``'s keywords,
+    ``residual=True`` for a residual add), for compiling before serving."""
+    return [use for layer in layers for use in ((layer.qkv, {"norm": layer.input_norm}), (layer.o, {"residual": True}),
+                                                (layer.gate_up, {"norm": layer.post_norm}),
+                                                (layer.down, {"silu": True, "residual": True}))]
+
+
 def shard_plan(config: Qwen3Config, tp: TensorParallel | None) -> ShardPlan:
     """The target's share on ``tp``'s rank (the whole model without TP); refuses a TP size that does not split it."""
     c = config
@@ -218,10 +283,11 @@ class Qwen3Model:
         """Logits in float32 from final (un-normed) hidden states."""
         return self.lm_logits(add_rms_norm(hidden, self.norm, self.config.rms_norm_eps, backend=backend)[0], backend)
 
-    def attention(self, layer: DecoderLayerWeights, x: torch.Tensor, positions: torch.Tensor, kv: LayerKV,
+    def attention(self, layer: DecoderLayerWeights, qkv: torch.Tensor, positions: torch.Tensor, kv: LayerKV,
                   meta: AttentionMetadata) -> torch.Tensor:
+        """A layer's attention output ``[T, Hq * D]`` (before o_proj) from its qkv projection: q and k normed and
+        rotated, k and v stored in the pages, attention over them."""
         c = self.config
-        qkv = linear(x, layer.qkv, meta.backend)
         if meta.backend == "triton":
             from engine import triton_ops
 
@@ -236,34 +302,24 @@ class Qwen3Model:
             q = self.rope(q, positions)
             k = self.rope(k, positions)
         store_kv(k, v, kv.k_cache, kv.v_cache, meta.slot_mapping, kv.k_scale, kv.v_scale, backend=meta.backend)
-        out = paged_attention(q, kv.k_cache, kv.v_cache, meta, self.scale, kv.k_scale, kv.v_scale)
-        return self.reduce(linear(out.flatten(-2), layer.o, meta.backend))
+        return paged_attention(q, kv.k_cache, kv.v_cache, meta, self.scale, kv.k_scale, kv.v_scale).flatten(-2)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: Sequence[LayerKV],
-                meta: AttentionMetadata, capture_layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+                meta: AttentionMetadata, capture_layers: Sequence[int] = ()
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run every layer over the flattened batch; returns final hidden states and, if asked,
         the outputs of ``capture_layers`` concatenated on the feature axis (the drafter's context)."""
-        h = self.embed(input_ids)
-        captured = []
+        def attention(i: int, layer: DecoderLayerWeights, qkv: torch.Tensor) -> torch.Tensor:
+            return self.attention(layer, qkv, positions, kv[i], meta)
+
         wanted = set(capture_layers)
-        eps = self.config.rms_norm_eps
-        backend = meta.backend
-        # Each norm takes the residual add before it (one fused kernel on the Triton backend).
-        x, _ = add_rms_norm(h, self.layers[0].input_norm, eps, backend=backend)
-        for i, layer in enumerate(self.layers):
-            x, h = add_rms_norm(self.attention(layer, x, positions, kv[i], meta), layer.post_norm, eps, h, backend)
-            mlp = self.reduce(swiglu_mlp(x, layer, backend))
-            if i + 1 < len(self.layers):
-                x, h = add_rms_norm(mlp, self.layers[i + 1].input_norm, eps, h, backend)
-            else:
-                h = h + mlp
-            if i in wanted:
-                # Hugging Face's hidden_states[L] (the last layer's output) is taken after the final
-                # norm; drafters are trained on that indexing, so capture it the same way.
-                last = i == len(self.layers) - 1
-                captured.append(rms_norm(h, self.norm, eps) if last else h)
-        if capture_layers:
-            order = sorted(wanted)
-            captured = torch.cat([captured[order.index(i)] for i in capture_layers], dim=-1)
-            return h, captured
-        return h, None
+        h, captured = decoder_layers(self.embed(input_ids), self.layers, attention, self.config.rms_norm_eps,
+                                     meta.backend, self.reduce if self.tp is not None else None, wanted)
+        if not capture_layers:
+            return h, None
+        # Hugging Face's hidden_states[L] (the last layer's output) is taken after the final norm; drafters are
+        # trained on that indexing, so capture it the same way.
+        last = len(self.layers) - 1
+        if last in wanted:
+            captured[last] = rms_norm(h, self.norm, self.config.rms_norm_eps)
+        return h, torch.cat([captured[i] for i in capture_layers], dim=-1)

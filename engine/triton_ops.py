@@ -7,6 +7,9 @@ few microseconds of an idle GPU between tiny kernels):
 - ``qk_norm_rope``: per token and head of the fused qkv projection, Qwen3's per-head RMSNorm of q and k and
   rotate-half RoPE at the token's position, written to q and k; v stays a view of qkv.
 - ``silu_mul``: SwiGLU's ``silu(gate) * up`` over the fused gate_up projection.
+- ``skinny_linear``: the linears of a step of few rows, streaming the weight once; it can take the layer's norm
+  (before qkv and gate_up), SwiGLU (before down) and residual add (after o and down) with it, so a few-row step's
+  layer launches 7 kernels (``engine.model.decoder_layers``).
 
 Numerics follow the torch reference (``engine.model``) in float32 and round to the activation dtype where it
 does after the norm; RoPE and SwiGLU round once instead of after every op (bf16 results within one ulp). The
@@ -165,23 +168,37 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # (benchmarks/README.md, "Few-row linears"). It takes up to SKINNY_MAX_ROWS rows: at 32 cuBLAS is as fast or
 # faster.
 SKINNY_MAX_ROWS = 16
+# A few-row step's decoder layers fold their norms, residual adds and SwiGLU into these linears
+# (``engine.model.decoder_layers``); False runs them as kernels of their own (benchmarks compare the two).
+FUSED_LAYERS = True
 SKINNY_BLOCK_K = 128
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, w_stride, out_stride, ROUND: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          DOT_FP32: tl.constexpr):
+def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, g_ptr, res_ptr, M, N, K, x_stride, w_stride, out_stride, res_stride,
+                          eps, PROLOGUE: tl.constexpr, RESIDUAL: tl.constexpr, ROUND: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     # Masks vary by row only (K is a multiple of BLOCK_K), so the weight tiles load as wide vectors.
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * x_stride + ks[None, :]
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * w_stride + ks[None, :]
+    row_mask = rows[:, None] < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for _ in range(0, K, BLOCK_K):
-        x = tl.load(x_ptrs, mask=rows[:, None] < M, other=0.0)
+    squares = tl.zeros((BLOCK_M,), tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if PROLOGUE == "norm":     # x is the residual stream: RMSNorm's weight now, its 1/rms once the sum is done
+            h = tl.load(x_ptrs, mask=row_mask, other=0.0).to(tl.float32)
+            squares += tl.sum(h * h, axis=1)
+            x = _round(h * tl.load(g_ptr + k + ks).to(tl.float32)[None, :], ROUND).to(w_ptr.dtype.element_ty)
+        elif PROLOGUE == "silu":   # x is the fused gate_up projection: SwiGLU as silu_mul rounds it
+            gate = tl.load(x_ptrs, mask=row_mask, other=0.0).to(tl.float32)
+            up = tl.load(x_ptrs + K, mask=row_mask, other=0.0).to(tl.float32)
+            x = _round(gate / (1.0 + tl.exp(-gate)) * up, ROUND).to(w_ptr.dtype.element_ty)
+        else:
+            x = tl.load(x_ptrs, mask=row_mask, other=0.0)
         w = tl.load(w_ptrs, mask=cols[:, None] < N, other=0.0)
         if DOT_FP32:       # the interpreter's tl.dot multiplies bf16 bit patterns as integers
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
@@ -189,8 +206,14 @@ def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, w_stride, ou
             acc += tl.dot(x, tl.trans(w))
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    out = _round(acc, ROUND).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], out, mask=(rows[:, None] < M) & (cols[None, :] < N))
+    if PROLOGUE == "norm":
+        acc = acc * tl.rsqrt(squares / K + eps)[:, None]
+    out = _round(acc, ROUND)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    if RESIDUAL:               # the residual stream's add, rounded as torch's add of the rounded product
+        out = _round(out + tl.load(res_ptr + rows[:, None].to(tl.int64) * res_stride + cols[None, :], mask=mask,
+                                   other=0.0).to(tl.float32), ROUND)
+    tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def skinny_fits(rows: int, weight: torch.Tensor, x_dtype: torch.dtype) -> bool:
@@ -221,25 +244,47 @@ def _shared_memory(device: torch.device) -> int:
     return _SHARED_MEMORY[index]
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int] | None = None
-                  ) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int] | None = None, *,
+                  norm: torch.Tensor | None = None, eps: float = 0.0, silu: bool = False,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T`` through the few-row kernel (``x`` ``[..., K]``, at most ``SKINNY_MAX_ROWS`` rows;
     ``weight`` ``[N, K]`` with K a multiple of ``SKINNY_BLOCK_K``), fp32 accumulation rounded once to x's dtype.
+    A decoder layer's elementwise work folds in, so it needs no kernel of its own:
+
+    - ``norm`` (``[K]``): the product of ``rms_norm(x) * norm`` (``eps`` inside the root), x being the residual
+      stream; the weight applies to each K tile, the 1/rms to the sums, so x is read once;
+    - ``silu``: x is the fused gate_up ``[..., 2 K]`` and the product is of ``silu(gate) * up``, rounded as
+      ``silu_mul`` rounds it;
+    - ``residual`` (``[..., N]``): the rounded product plus it, rounded as the residual stream's add rounds.
+
     ``tiles`` (BLOCK_N, BLOCK_K, stages) overrides ``_skinny_tiles`` (tests on CPU)."""
     n, k = weight.shape
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1 or weight.stride(-1) != 1 or k % SKINNY_BLOCK_K or rows.shape[0] > SKINNY_MAX_ROWS:
-        raise ValueError(f"skinny_linear takes at most {SKINNY_MAX_ROWS} rows with contiguous last dims and K a "
-                         f"multiple of {SKINNY_BLOCK_K}, got x {tuple(x.shape)} strides {x.stride()} and weight "
-                         f"{tuple(weight.shape)} strides {weight.stride()}")
+    width = 2 * k if silu else k
+    rows = x.reshape(-1, width)
+    if (rows.stride(-1) != 1 or weight.stride(-1) != 1 or k % SKINNY_BLOCK_K or rows.shape[0] > SKINNY_MAX_ROWS
+            or x.shape[-1] != width):
+        raise ValueError(f"skinny_linear takes at most {SKINNY_MAX_ROWS} rows of {width} with contiguous last dims "
+                         f"and K a multiple of {SKINNY_BLOCK_K}, got x {tuple(x.shape)} strides {x.stride()} and "
+                         f"weight {tuple(weight.shape)} strides {weight.stride()}")
+    if norm is not None and (silu or norm.shape != (k,) or norm.stride(-1) != 1):
+        raise ValueError(f"the norm's weight must be ({k},) and contiguous, and not with silu; got "
+                         f"{tuple(norm.shape)} (silu={silu})")
+    res = None
+    if residual is not None:
+        res = residual.reshape(-1, n)
+        if res.shape[0] != rows.shape[0] or res.stride(-1) != 1:
+            raise ValueError(f"the residual must be {rows.shape[0]} contiguous rows of {n}, got "
+                             f"{tuple(residual.shape)} strides {residual.stride()}")
     out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         block_n, block_k, stages = tiles or _skinny_tiles(n, k, x.device)
         if k % block_k:
             raise ValueError(f"K {k} is not a multiple of the K tile {block_k}")
         _skinny_linear_kernel[(triton.cdiv(n, block_n),)](
-            rows, weight, out, rows.shape[0], n, k, rows.stride(0), weight.stride(0), out.stride(0),
-            ROUND=_rounding(x.dtype), BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+            rows, weight, out, norm if norm is not None else weight, res if res is not None else out,
+            rows.shape[0], n, k, rows.stride(0), weight.stride(0), out.stride(0), res.stride(0) if res is not None
+            else 0, float(eps), PROLOGUE="norm" if norm is not None else "silu" if silu else "none",
+            RESIDUAL=res is not None, ROUND=_rounding(x.dtype), BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
             DOT_FP32=INTERPRET and x.dtype == torch.bfloat16, num_stages=stages, num_warps=4)
     return out.view(*x.shape[:-1], n)
 
@@ -251,13 +296,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight)
 
 
-def precompile_linears(weights, dtype: torch.dtype) -> int:
-    """Launch the few-row kernel once for each of ``weights``' shapes (before serving: a variant met later would
-    compile inside a step). Returns the shapes launched."""
+def precompile_linears(weights, dtype: torch.dtype, fused=()) -> int:
+    """Launch the few-row kernel once for each of ``weights``' shapes, and for each ``(weight, keywords)`` of
+    ``fused`` (``engine.model.fused_linears``) with that fused work (before serving: a variant met later would
+    compile inside a step). Returns the variants launched."""
     launched = set()
-    for weight in weights:
-        key = (tuple(weight.shape), weight.stride(0))
+    for weight, kw in [(w, {}) for w in weights] + list(fused):
+        key = (tuple(weight.shape), weight.stride(0), tuple(sorted(kw)))
         if skinny_fits(1, weight, dtype) and key not in launched:
             launched.add(key)
-            skinny_linear(torch.zeros(1, weight.shape[1], dtype=dtype, device=weight.device), weight)
+            n, k = weight.shape
+            x = torch.zeros(1, 2 * k if kw.get("silu") else k, dtype=dtype, device=weight.device)
+            skinny_linear(x, weight, norm=kw.get("norm"), eps=1e-6, silu=kw.get("silu", False),
+                          residual=torch.zeros(1, n, dtype=dtype, device=weight.device) if kw.get("residual") else None)
     return len(launched)

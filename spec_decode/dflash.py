@@ -12,7 +12,7 @@ from engine.attention import AttentionMetadata
 from engine.cuda_graphs import RaggedGraphs, StepGraphs
 from engine.llm import EngineConfig, kv_cache_dtype
 from engine.llm_engine import Proposal
-from engine.model import AttentionSite, Qwen3Model
+from engine.model import AttentionSite, Qwen3Model, fused_linears
 from engine.model_runner import (Row, build_metadata, device_metadata, layer_kv_of, pack_inputs, row_tables,
                                  unpack_inputs)
 from engine.parallel import OP_CLEAR, OP_DRAFT, OP_STORE, Message
@@ -71,6 +71,10 @@ class DFlashSpeculator:
         q_rows = d.num_heads * d.config.head_dim
         return [d.fc] + [w for layer in d.layers for w in (layer.qkv, layer.qkv[q_rows:], layer.o, layer.gate_up,
                                                                layer.down)]
+
+    def fused_linears(self) -> list[tuple[torch.Tensor, dict]]:
+        """The draft layers' linears with the work a few-row block folds into them."""
+        return [] if self.drafter.tp is not None else fused_linears(self.drafter.layers)
 
     def enable_graphs(self, max_batch: int, max_pages: int, capture: bool, max_tokens: int | None
                       ) -> list[StepGraphs | RaggedGraphs]:

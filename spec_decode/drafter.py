@@ -26,8 +26,8 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention, store_kv
 from engine.checkpoint import CheckpointError, Qwen3Config, load_tensors, read_config, require, take
-from engine.model import (DecoderLayerWeights, LayerKV, Qwen3Model, add_rms_norm, apply_rope, linear,
-                          load_decoder_layer, rms_norm, rope_table, swiglu_mlp)
+from engine.model import (DecoderLayerWeights, LayerKV, Qwen3Model, add_rms_norm, apply_rope, decoder_layers,
+                          linear, load_decoder_layer, rms_norm, rope_table)
 from engine.parallel import ShardPlan, TensorParallel, active
 from kv.spec import KVLayerSpec, LayerOwner, make_layer_specs
 
@@ -140,7 +140,8 @@ class DFlashConfig:
 
 class DFlashLayer(nn.Module):
     """One draft decoder layer. Its parameters are named as the engine's ``DecoderLayerWeights`` (q/k/v and
-    gate/up fused), so ``swiglu_mlp`` runs it; ``DFlashDrafter.checkpoint_tensors`` gives the z-lab names."""
+    gate/up fused), so ``engine.model.decoder_layers`` runs it; ``DFlashDrafter.checkpoint_tensors`` gives the
+    z-lab names."""
 
     def __init__(self, weights: DecoderLayerWeights):
         super().__init__()
@@ -254,56 +255,41 @@ class DFlashDrafter(nn.Module):
         return add_rms_norm(linear(captured, self.fc, backend), self.hidden_norm, self.config.rms_norm_eps,
                             backend=backend)[0]
 
-    def _q(self, layer: DFlashLayer, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _qkv_heads(self, layer: DFlashLayer, num_heads: int, qkv: torch.Tensor, positions: torch.Tensor,
+                   backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (``num_heads`` of them: all or none), k and v of a projection ``[..., (num_heads + 2 Hkv) * D]``:
+        q and k normed per head and rotated (one kernel on the Triton backend)."""
         c = self.config
-        q = F.linear(x, layer.qkv[:self.num_heads * c.head_dim])
-        q = rms_norm(q.unflatten(-1, (self.num_heads, c.head_dim)), layer.q_norm, c.rms_norm_eps)
-        return apply_rope(q, positions, self.rope_cos, self.rope_sin)
+        if backend == "triton":
+            from engine import triton_ops
+
+            return triton_ops.qk_norm_rope(qkv, num_heads, self.num_kv_heads, c.head_dim, layer.q_norm,
+                                           layer.k_norm, c.rms_norm_eps, positions, self.rope_cos, self.rope_sin)
+        kv_dim = self.num_kv_heads * c.head_dim
+        q, k, v = qkv.split([num_heads * c.head_dim, kv_dim, kv_dim], dim=-1)
+        q = q.unflatten(-1, (num_heads, c.head_dim))
+        if num_heads:
+            q = apply_rope(rms_norm(q, layer.q_norm, c.rms_norm_eps), positions, self.rope_cos, self.rope_sin)
+        k = rms_norm(k.unflatten(-1, (self.num_kv_heads, c.head_dim)), layer.k_norm, c.rms_norm_eps)
+        k = apply_rope(k, positions, self.rope_cos, self.rope_sin)
+        return q, k, v.unflatten(-1, (self.num_kv_heads, c.head_dim))
 
     def _kv(self, layer: DFlashLayer, x: torch.Tensor, positions: torch.Tensor, backend: str = "torch"
             ) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.config
-        q_dim, kv_dim = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
-        if backend == "triton":        # serving: k normed and rotated in one kernel (no q heads)
-            _, k, v = self._fused_qkv(layer, 0, x, positions)
-            return k, v
-        k, v = F.linear(x, layer.qkv[q_dim:]).split([kv_dim, kv_dim], dim=-1)
-        k = rms_norm(k.unflatten(-1, (self.num_kv_heads, c.head_dim)), layer.k_norm, c.rms_norm_eps)
-        k = apply_rope(k, positions, self.rope_cos, self.rope_sin)
-        return k, v.unflatten(-1, (self.num_kv_heads, c.head_dim))
-
-    def _fused_qkv(self, layer: DFlashLayer, num_heads: int, x: torch.Tensor, positions: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q (``num_heads`` of them: all or none), k and v of ``x`` ``[T, H]`` through the Triton kernel that
-        norms and rotates q and k."""
-        from engine import triton_ops
-
-        c = self.config
-        weight = layer.qkv[(self.num_heads - num_heads) * c.head_dim:]
-        return triton_ops.qk_norm_rope(triton_ops.linear(x, weight), num_heads, self.num_kv_heads, c.head_dim,
-                                       layer.q_norm, layer.k_norm, c.rms_norm_eps, positions, self.rope_cos,
-                                       self.rope_sin)
+        """k and v of context rows ``x`` (their q is never needed)."""
+        kv_weight = layer.qkv[self.num_heads * self.config.head_dim:]
+        _, k, v = self._qkv_heads(layer, 0, linear(x, kv_weight, backend), positions, backend)
+        return k, v
 
     def _decode(self, h: torch.Tensor, positions: torch.Tensor, attend: Attend, backend: str = "torch"
                 ) -> torch.Tensor:
         """The draft layers over the block's hidden states; ``attend`` is each layer's attention over the
         context and the block (paged when serving, dense when training)."""
-        eps = self.config.rms_norm_eps
-        x, _ = add_rms_norm(h, self.layers[0].input_norm, eps, backend=backend)
-        for i, layer in enumerate(self.layers):
-            if backend == "triton":
-                q, k, v = self._fused_qkv(layer, self.num_heads, x, positions)
-            else:
-                q = self._q(layer, x, positions)
-                k, v = self._kv(layer, x, positions)
-            out = self._reduce(linear(attend(i, q, k, v).flatten(-2), layer.o, backend))
-            x, h = add_rms_norm(out, layer.post_norm, eps, h, backend)
-            mlp = self._reduce(swiglu_mlp(x, layer, backend))
-            if i + 1 < len(self.layers):
-                x, h = add_rms_norm(mlp, self.layers[i + 1].input_norm, eps, h, backend)
-            else:
-                h = h + mlp
-        return h
+        def attention(i: int, layer: DFlashLayer, qkv: torch.Tensor) -> torch.Tensor:
+            return attend(i, *self._qkv_heads(layer, self.num_heads, qkv, positions, backend)).flatten(-2)
+
+        return decoder_layers(h, self.layers, attention, self.config.rms_norm_eps, backend,
+                              self._reduce if self.tp is not None else None)[0]
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         # Row-parallel o_proj and down_proj: each rank holds a partial sum (nothing to do without TP).

@@ -100,6 +100,35 @@ def test_the_few_row_linear_equals_the_matmul_to_rounding(dtype, tiles):
                                atol=1e-3)
 
 
+@pytest.mark.parametrize("tiles", SKINNY_TILES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_few_row_linear_folds_in_the_norm_the_swiglu_and_the_residual_add(dtype, tiles):
+    """The layer's elementwise work in the few-row kernel: the product of the RMS-normed stream within rounding of
+    the float32 truth (as close as norm-then-product is); SwiGLU and the residual add exactly as the kernels they
+    replace round them."""
+    g = torch.Generator().manual_seed(5)
+    n, k = 100, 512
+    weight = (torch.randn(n, k, generator=g) / 16).to(dtype).to(DEVICE)
+    for rows in (1, 5, 16):
+        h = (3 * torch.randn(rows, 2, k, generator=g)).to(dtype).to(DEVICE)[:, 0]        # strided rows
+        norm = (1 + 0.2 * torch.randn(k, generator=g)).to(dtype).to(DEVICE)
+        got = ops().skinny_linear(h, weight, tiles, norm=norm, eps=1e-6)
+        unfused = ops().skinny_linear(ops().rms_norm(h, norm, 1e-6)[0], weight, tiles)
+        hf = h.float()
+        truth = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.float()) @ weight.float().T
+        scale = truth.abs().max().item()
+        assert (got.float() - truth).abs().max() <= max(2 * (unfused.float() - truth).abs().max(), 2 ** -7 * scale)
+        gate_up = (2 * torch.randn(rows, 2 * k, generator=g)).to(dtype).to(DEVICE)
+        residual = torch.randn(rows, n, generator=g).to(dtype).to(DEVICE)
+        swiglu = ops().silu_mul(gate_up)
+        assert torch.equal(ops().skinny_linear(gate_up, weight, tiles, silu=True),
+                           ops().skinny_linear(swiglu, weight, tiles))
+        assert torch.equal(ops().skinny_linear(gate_up, weight, tiles, silu=True, residual=residual),
+                           ops().skinny_linear(swiglu, weight, tiles) + residual)
+        assert torch.equal(ops().skinny_linear(swiglu, weight, tiles, residual=residual),
+                           ops().skinny_linear(swiglu, weight, tiles) + residual)
+
+
 def test_linear_takes_the_few_row_kernel_only_where_it_applies():
     """On a GPU: half-precision rows up to SKINNY_MAX_ROWS with K a multiple of the K tile; everything else (and
     anything on the CPU) is torch's own product, to the bit."""
@@ -155,6 +184,12 @@ def test_bad_inputs_are_refused():
         ops().skinny_linear(torch.zeros(2, 384), torch.zeros(8, 384), (32, 256, 2))
     with pytest.raises(ValueError, match="at most 16 rows"):
         ops().skinny_linear(torch.zeros(17, 256), torch.zeros(8, 256), (32, 128, 2))
+    with pytest.raises(ValueError, match="rows of 512"):       # silu takes the gate_up projection, 2 K wide
+        ops().skinny_linear(torch.zeros(2, 256), torch.zeros(8, 256), (32, 128, 2), silu=True)
+    with pytest.raises(ValueError, match="norm's weight"):
+        ops().skinny_linear(torch.zeros(2, 256), torch.zeros(8, 256), (32, 128, 2), norm=torch.ones(128))
+    with pytest.raises(ValueError, match="residual must be 2 contiguous rows of 8"):
+        ops().skinny_linear(torch.zeros(2, 256), torch.zeros(8, 256), (32, 128, 2), residual=torch.zeros(3, 8))
 
 
 def test_a_triton_engine_decodes_the_torch_engine_tokens(tmp_path):
@@ -183,3 +218,49 @@ def test_the_drafter_through_the_fused_kernels_drafts_what_the_torch_drafter_dra
         got[backend] = (out.token_ids, out.acceptance_lengths)
     assert got["triton"] == got["torch"]
     assert max(got["torch"][1]) > 2        # the drafts were accepted: the comparison covers drafting
+
+
+def test_few_row_steps_fold_the_layers_elementwise_work_into_their_linears(monkeypatch):
+    """The demo pair in fp16 (bf16's rounding is slow under the interpreter) with the few-row kernel taken on this
+    device too: a step of few rows (decode,
+    verification, drafter blocks) runs each layer, the target's and the drafter's, as 4 linears that norm the
+    residual stream, add to it and take SwiGLU as they read and write it. Its per-step acceptance and tokens equal
+    those of the same engine with the norm, add and SwiGLU kernels of their own; each fused variant it launched is
+    one that start-up compiles (``LLMEngine.fused_linears``)."""
+    def fits_here(rows, weight, dtype):         # skinny_fits without its GPU check
+        return (1 <= rows <= ops().SKINNY_MAX_ROWS and dtype == weight.dtype == torch.float16 and weight.dim() == 2
+                and weight.stride(-1) == 1 and weight.shape[1] % ops().SKINNY_BLOCK_K == 0)
+
+    monkeypatch.setattr(ops(), "skinny_fits", fits_here)
+    skinny = ops().skinny_linear
+    fused_calls = []
+
+    def recording(x, weight, tiles=None, **kw):
+        if kw:
+            fused_calls.append((weight.data_ptr(), tuple(weight.shape), tuple(sorted(set(kw) - {"eps"}))))
+        if tiles is None and DEVICE == "cpu":     # wide tiles: the interpreter's time goes by programs
+            tiles = (128, 256 if weight.shape[1] % 256 == 0 else 128, 2)
+        return skinny(x, weight, tiles, **kw)
+
+    monkeypatch.setattr(ops(), "skinny_linear", recording)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    got, n_fused = {}, 0
+    for fused in (True, False):
+        monkeypatch.setattr(ops(), "FUSED_LAYERS", fused)
+        llm = SpecLLM(str(DEMO / "target"), draft=str(DEMO / "drafter"), device=DEVICE, page_size=16,
+                      attention_backend="triton", dtype="float16")
+        out = llm.generate(["import os\nimport sys\n"], params)[0]
+        got[fused] = (out.token_ids, out.acceptance_lengths)
+        if fused:
+            covered = {(w.data_ptr(), tuple(w.shape), tuple(sorted(kw))) for w, kw in llm.engine.fused_linears()}
+            target, drafter = llm.engine.model.layers, llm.engine.speculator.drafter.layers
+        else:
+            assert not fused_calls[n_fused:]            # nothing folded with the switch off
+        n_fused = len(fused_calls)
+    assert got[True] == got[False]
+    assert max(got[True][1]) > 2                 # drafts were accepted: drafting went through the fused layers too
+    seen = set(fused_calls)
+    assert seen and seen <= covered, seen - covered
+    for layers in (target, drafter):
+        assert (layers[0].qkv.data_ptr(), tuple(layers[0].qkv.shape), ("norm",)) in seen
+        assert (layers[-1].down.data_ptr(), tuple(layers[-1].down.shape), ("residual", "silu")) in seen
