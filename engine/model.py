@@ -86,6 +86,33 @@ class LayerKV:
     v_scale: float = 1.0
 
 
+def attention_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, q_norm: torch.Tensor,
+                    k_norm: torch.Tensor, eps: float, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    backend: str, kv: LayerKV | None = None, slot_mapping: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """q ``[..., T, num_heads, D]``, k and v ``[..., T, Hkv, D]`` of a fused projection ``qkv`` ``[..., T,
+    (num_heads + 2 Hkv) * D]`` (``num_heads``: all of a layer's q heads, or none): Qwen3's per-head RMSNorm of q and
+    k, rotate-half RoPE at ``positions``. With ``kv`` k and v go into its pages at ``slot_mapping`` instead (as
+    ``store_kv`` writes them) and ``(q, None, None)`` comes back; the Triton backend does it all in one kernel."""
+    if backend == "triton":
+        from engine import triton_ops
+
+        store = None if kv is None else (kv.k_cache, kv.v_cache, slot_mapping, kv.k_scale, kv.v_scale)
+        return triton_ops.qk_norm_rope(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps, positions, cos,
+                                       sin, store)
+    kv_dim = num_kv_heads * head_dim
+    q, k, v = qkv.split([num_heads * head_dim, kv_dim, kv_dim], dim=-1)
+    q = q.unflatten(-1, (num_heads, head_dim))
+    if num_heads:
+        q = apply_rope(rms_norm(q, q_norm, eps), positions, cos, sin)
+    k = apply_rope(rms_norm(k.unflatten(-1, (num_kv_heads, head_dim)), k_norm, eps), positions, cos, sin)
+    v = v.unflatten(-1, (num_kv_heads, head_dim))
+    if kv is None:
+        return q, k, v
+    store_kv(k, v, kv.k_cache, kv.v_cache, slot_mapping, kv.k_scale, kv.v_scale, backend=backend)
+    return q, None, None
+
+
 @dataclass(frozen=True)
 class AttentionSite:
     """What the attention kernels of a model's layers are compiled for: their query heads (this rank's), one
@@ -288,20 +315,9 @@ class Qwen3Model:
         """A layer's attention output ``[T, Hq * D]`` (before o_proj) from its qkv projection: q and k normed and
         rotated, k and v stored in the pages, attention over them."""
         c = self.config
-        if meta.backend == "triton":
-            from engine import triton_ops
-
-            q, k, v = triton_ops.qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, c.head_dim, layer.q_norm,
-                                              layer.k_norm, c.rms_norm_eps, positions, self.rope.cos, self.rope.sin)
-        else:
-            kv_dim = self.num_kv_heads * c.head_dim
-            q, k, v = qkv.split([self.num_heads * c.head_dim, kv_dim, kv_dim], dim=-1)
-            q = rms_norm(q.unflatten(-1, (self.num_heads, c.head_dim)), layer.q_norm, c.rms_norm_eps)
-            k = rms_norm(k.unflatten(-1, (self.num_kv_heads, c.head_dim)), layer.k_norm, c.rms_norm_eps)
-            v = v.unflatten(-1, (self.num_kv_heads, c.head_dim))
-            q = self.rope(q, positions)
-            k = self.rope(k, positions)
-        store_kv(k, v, kv.k_cache, kv.v_cache, meta.slot_mapping, kv.k_scale, kv.v_scale, backend=meta.backend)
+        q, _, _ = attention_heads(qkv, self.num_heads, self.num_kv_heads, c.head_dim, layer.q_norm, layer.k_norm,
+                                  c.rms_norm_eps, positions, self.rope.cos, self.rope.sin, meta.backend, kv,
+                                  meta.slot_mapping)
         return paged_attention(q, kv.k_cache, kv.v_cache, meta, self.scale, kv.k_scale, kv.v_scale).flatten(-2)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: Sequence[LayerKV],

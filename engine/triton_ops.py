@@ -1,15 +1,16 @@
-"""Triton kernels that fuse a decoder layer's elementwise work, so a decode step launches ~11 kernels a layer
+"""Triton kernels that fuse a decoder layer's elementwise work, so a decode step launches 6-10 kernels a layer
 instead of ~60 (each torch op is a launch; inside a CUDA graph the launches are cheap, but each still costs a
 few microseconds of an idle GPU between tiny kernels):
 
 - ``rms_norm``: one program per row; with ``residual`` it first adds it (the residual stream's add) and returns
   the sum too, rounded to the stream's dtype as torch's add would round it.
 - ``qk_norm_rope``: per token and head of the fused qkv projection, Qwen3's per-head RMSNorm of q and k and
-  rotate-half RoPE at the token's position, written to q and k; v stays a view of qkv.
+  rotate-half RoPE at the token's position, written to q and k (v stays a view of qkv), or k and v straight into
+  the token's cache slot (the K/V store).
 - ``silu_mul``: SwiGLU's ``silu(gate) * up`` over the fused gate_up projection.
 - ``skinny_linear``: the linears of a step of few rows, streaming the weight once; it can take the layer's norm
   (before qkv and gate_up), SwiGLU (before down) and residual add (after o and down) with it, so a few-row step's
-  layer launches 7 kernels (``engine.model.decoder_layers``).
+  layer launches 6 kernels (``engine.model.decoder_layers``).
 
 Numerics follow the torch reference (``engine.model``) in float32 and round to the activation dtype where it
 does after the norm; RoPE and SwiGLU round once instead of after every op (bf16 results within one ulp). The
@@ -23,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.triton_attention import INTERPRET, _round_to_bf16_grid
+from engine.triton_attention import INTERPRET, _round_to_bf16_grid, _store_rounded
 
 _ROUNDING = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -85,10 +86,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out.view(x.shape), None if total is None else total.view(x.shape)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _qk_norm_rope_kernel(qkv_ptr, q_ptr, k_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr,
-                         qkv_stride, q_stride, k_stride, cos_stride, eps,
-                         NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROUND: tl.constexpr):
+                         slot_ptr, k_cache_ptr, v_cache_ptr, k_scale, v_scale,
+                         qkv_stride, q_stride, k_stride, cos_stride, stride_kc_page, stride_kc_tok, stride_kc_head,
+                         stride_vc_page, stride_vc_tok, stride_vc_head, eps,
+                         NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         PAGE_SIZE: tl.constexpr, STORE: tl.constexpr, ROUND: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -109,15 +113,49 @@ def _qk_norm_rope_kernel(qkv_ptr, q_ptr, k_ptr, q_norm_ptr, k_norm_ptr, cos_ptr,
     # The tables hold [freqs, freqs]: both halves rotate by the first half's angles.
     cos = tl.load(cos_ptr + pos * cos_stride + offs).to(tl.float32)
     sin = tl.load(sin_ptr + pos * cos_stride + offs).to(tl.float32)
-    tl.store(dst + offs, _round(y1 * cos - y2 * sin, ROUND).to(q_ptr.dtype.element_ty))
-    tl.store(dst + HALF + offs, _round(y2 * cos + y1 * sin, ROUND).to(q_ptr.dtype.element_ty))
+    out1 = _round(y1 * cos - y2 * sin, ROUND)
+    out2 = _round(y2 * cos + y1 * sin, ROUND)
+    if STORE:
+        if head >= NUM_Q_HEADS:
+            _store_k_v(qkv_ptr + token * qkv_stride, out1, out2, slot_ptr + token, k_cache_ptr, v_cache_ptr, k_scale,
+                       v_scale, head - NUM_Q_HEADS, stride_kc_page, stride_kc_tok, stride_kc_head, stride_vc_page,
+                       stride_vc_tok, stride_vc_head, NUM_Q_HEADS + NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE)
+        else:
+            tl.store(dst + offs, out1.to(q_ptr.dtype.element_ty))
+            tl.store(dst + HALF + offs, out2.to(q_ptr.dtype.element_ty))
+    else:
+        tl.store(dst + offs, out1.to(q_ptr.dtype.element_ty))
+        tl.store(dst + HALF + offs, out2.to(q_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _store_k_v(qkv_row, k1, k2, slot_ptr, k_cache_ptr, v_cache_ptr, k_scale, v_scale, kv_head, stride_kc_page,
+               stride_kc_tok, stride_kc_head, stride_vc_page, stride_vc_tok, stride_vc_head, V_HEAD0: tl.constexpr,
+               HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """A token's k head (its halves k1, k2) and the v head beside it in ``qkv_row`` into the token's cache slot, as
+    store_kv writes them (slot -1, padding, writes nothing)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs = tl.arange(0, HALF)
+    slot = tl.load(slot_ptr).to(tl.int64)
+    page = tl.maximum(slot, 0) // PAGE_SIZE
+    offset = tl.maximum(slot, 0) % PAGE_SIZE
+    live = offs < tl.where(slot >= 0, HALF, 0)
+    k_dst = k_cache_ptr + page * stride_kc_page + offset * stride_kc_tok + kv_head * stride_kc_head
+    _store_rounded(k_dst + offs, k1, k_scale, live)
+    _store_rounded(k_dst + HALF + offs, k2, k_scale, live)
+    v_src = qkv_row + (V_HEAD0 + kv_head) * HEAD_DIM
+    v_dst = v_cache_ptr + page * stride_vc_page + offset * stride_vc_tok + kv_head * stride_vc_head
+    _store_rounded(v_dst + offs, tl.load(v_src + offs), v_scale, live)
+    _store_rounded(v_dst + HALF + offs, tl.load(v_src + HALF + offs), v_scale, live)
 
 
 def qk_norm_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, q_norm: torch.Tensor,
-                 k_norm: torch.Tensor, eps: float, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 k_norm: torch.Tensor, eps: float, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 store: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` normed per head and rotated at ``positions``, and v ``[T, Hkv, D]``
-    (a view), from the fused projection ``qkv`` ``[T, (Hq + 2 Hkv) * D]``."""
+    (a view), from the fused projection ``qkv`` ``[T, (Hq + 2 Hkv) * D]``. With ``store`` = ``(k_cache, v_cache,
+    slot_mapping, k_scale, v_scale)`` k and v go into the cache slots instead, as ``store_kv`` writes them (slot
+    -1 skipped), and only q comes back: ``(q, None, None)``."""
     tokens = qkv.shape[0]
     if qkv.stride(-1) != 1 or qkv.shape[-1] != (num_heads + 2 * num_kv_heads) * head_dim:
         raise ValueError(f"qkv must be [T, {(num_heads + 2 * num_kv_heads) * head_dim}] with a contiguous last "
@@ -126,13 +164,28 @@ def qk_norm_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim:
         raise ValueError(f"qk_norm_rope needs a power-of-two head dim and contiguous cos/sin tables of one "
                          f"layout, got head dim {head_dim}")
     q = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty((tokens, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
-    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].unflatten(-1, (num_kv_heads, head_dim))
+    k = v = None
+    if store is None:
+        k = torch.empty((tokens, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+        v = qkv[:, (num_heads + num_kv_heads) * head_dim:].unflatten(-1, (num_kv_heads, head_dim))
+        k_cache = v_cache = slots = k
+        k_scale = v_scale = 1.0
+    else:
+        k_cache, v_cache, slots, k_scale, v_scale = store
+        for cache in (k_cache, v_cache):
+            if cache.dim() != 4 or cache.shape[2:] != (num_kv_heads, head_dim) or cache.stride(-1) != 1:
+                raise ValueError(f"a cache must be [pages, page_size, {num_kv_heads}, {head_dim}] with a contiguous "
+                                 f"last dim, got {tuple(cache.shape)} strides {cache.stride()}")
+        if slots.shape != (tokens,):
+            raise ValueError(f"slot_mapping must hold one slot per token ({tokens}), got {tuple(slots.shape)}")
     if tokens:
         _qk_norm_rope_kernel[(tokens, num_heads + num_kv_heads)](
-            qkv, q, k, q_norm, k_norm, cos, sin, positions, qkv.stride(0), q.stride(0), k.stride(0), cos.stride(0),
-            float(eps), NUM_Q_HEADS=num_heads, HEAD_DIM=head_dim, ROUND=_rounding(qkv.dtype),
-            num_warps=1 if head_dim <= 128 else 2)
+            qkv, q, k if k is not None else q, q_norm, k_norm, cos, sin, positions, slots, k_cache, v_cache,
+            float(k_scale), float(v_scale), qkv.stride(0), q.stride(0), k.stride(0) if k is not None else 0,
+            cos.stride(0), *(k_cache.stride()[:3] if store else (0, 0, 0)),
+            *(v_cache.stride()[:3] if store else (0, 0, 0)), float(eps), NUM_Q_HEADS=num_heads,
+            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1] if store else 1,
+            STORE=store is not None, ROUND=_rounding(qkv.dtype), num_warps=1 if head_dim <= 128 else 2)
     return q, k, v
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention, store_kv
+from engine.attention import AttentionMetadata, paged_attention
 from engine.checkpoint import CheckpointError, Qwen3Config, load_tensors, read_config, require, take
-from engine.model import (DecoderLayerWeights, LayerKV, Qwen3Model, add_rms_norm, apply_rope, decoder_layers,
-                          linear, load_decoder_layer, rms_norm, rope_table)
+from engine.model import (DecoderLayerWeights, LayerAttention, LayerKV, Qwen3Model, add_rms_norm, attention_heads,
+                          decoder_layers, linear, load_decoder_layer, rope_table)
 from engine.parallel import ShardPlan, TensorParallel, active
 from kv.spec import KVLayerSpec, LayerOwner, make_layer_specs
 
@@ -149,10 +149,6 @@ class DFlashLayer(nn.Module):
             setattr(self, f.name, nn.Parameter(getattr(weights, f.name)))
 
 
-# Receives (layer index, q [..., T, Hq, D], k and v [..., T, Hkv, D]) and returns attention output [..., T, Hq, D].
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
 class DFlashDrafter(nn.Module):
     """Qwen3 decoder layers drafting a block from projected target features (serving and training)."""
 
@@ -255,39 +251,21 @@ class DFlashDrafter(nn.Module):
         return add_rms_norm(linear(captured, self.fc, backend), self.hidden_norm, self.config.rms_norm_eps,
                             backend=backend)[0]
 
-    def _qkv_heads(self, layer: DFlashLayer, num_heads: int, qkv: torch.Tensor, positions: torch.Tensor,
-                   backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q (``num_heads`` of them: all or none), k and v of a projection ``[..., (num_heads + 2 Hkv) * D]``:
-        q and k normed per head and rotated (one kernel on the Triton backend)."""
+    def _heads(self, layer: DFlashLayer, num_heads: int, qkv: torch.Tensor, positions: torch.Tensor, backend: str,
+               kv: LayerKV | None = None, slot_mapping: torch.Tensor | None = None):
+        """``engine.model.attention_heads`` of this layer: q (``num_heads`` of them: all or none), k and v, or with
+        ``kv`` q alone, k and v written into the layer's pages."""
         c = self.config
-        if backend == "triton":
-            from engine import triton_ops
+        return attention_heads(qkv, num_heads, self.num_kv_heads, c.head_dim, layer.q_norm, layer.k_norm,
+                               c.rms_norm_eps, positions, self.rope_cos, self.rope_sin, backend, kv, slot_mapping)
 
-            return triton_ops.qk_norm_rope(qkv, num_heads, self.num_kv_heads, c.head_dim, layer.q_norm,
-                                           layer.k_norm, c.rms_norm_eps, positions, self.rope_cos, self.rope_sin)
-        kv_dim = self.num_kv_heads * c.head_dim
-        q, k, v = qkv.split([num_heads * c.head_dim, kv_dim, kv_dim], dim=-1)
-        q = q.unflatten(-1, (num_heads, c.head_dim))
-        if num_heads:
-            q = apply_rope(rms_norm(q, layer.q_norm, c.rms_norm_eps), positions, self.rope_cos, self.rope_sin)
-        k = rms_norm(k.unflatten(-1, (self.num_kv_heads, c.head_dim)), layer.k_norm, c.rms_norm_eps)
-        k = apply_rope(k, positions, self.rope_cos, self.rope_sin)
-        return q, k, v.unflatten(-1, (self.num_kv_heads, c.head_dim))
+    def _kv_projection(self, layer: DFlashLayer, x: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+        """The k and v part of the qkv projection of context rows ``x`` (their q is never needed)."""
+        return linear(x, layer.qkv[self.num_heads * self.config.head_dim:], backend)
 
-    def _kv(self, layer: DFlashLayer, x: torch.Tensor, positions: torch.Tensor, backend: str = "torch"
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """k and v of context rows ``x`` (their q is never needed)."""
-        kv_weight = layer.qkv[self.num_heads * self.config.head_dim:]
-        _, k, v = self._qkv_heads(layer, 0, linear(x, kv_weight, backend), positions, backend)
-        return k, v
-
-    def _decode(self, h: torch.Tensor, positions: torch.Tensor, attend: Attend, backend: str = "torch"
-                ) -> torch.Tensor:
-        """The draft layers over the block's hidden states; ``attend`` is each layer's attention over the
-        context and the block (paged when serving, dense when training)."""
-        def attention(i: int, layer: DFlashLayer, qkv: torch.Tensor) -> torch.Tensor:
-            return attend(i, *self._qkv_heads(layer, self.num_heads, qkv, positions, backend)).flatten(-2)
-
+    def _decode(self, h: torch.Tensor, attention: LayerAttention, backend: str = "torch") -> torch.Tensor:
+        """The draft layers over the block's hidden states; ``attention`` is each layer's over the context and the
+        block (paged when serving, dense when training)."""
         return decoder_layers(h, self.layers, attention, self.config.rms_norm_eps, backend,
                               self._reduce if self.tp is not None else None)[0]
 
@@ -307,18 +285,18 @@ class DFlashDrafter(nn.Module):
                       slot_mapping: torch.Tensor, backend: str) -> None:
         """Write every draft layer's K/V of the context tokens (no input_layernorm on the context)."""
         for layer, kv in zip(self.layers, layer_kv):
-            k, v = self._kv(layer, context, positions, backend)
-            store_kv(k, v, kv.k_cache, kv.v_cache, slot_mapping, kv.k_scale, kv.v_scale, backend=backend)
+            self._heads(layer, 0, self._kv_projection(layer, context, backend), positions, backend, kv, slot_mapping)
 
     def forward_block(self, block_embeds: torch.Tensor, positions: torch.Tensor, layer_kv: Sequence[LayerKV],
                       meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of the embedded blocks ``[anchor, MASK...]`` (flattened, ``[N, H]``): the block's K/V
         go into the pages right after each context, and attention is non-causal over context and block."""
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attention(i: int, layer: DFlashLayer, qkv: torch.Tensor) -> torch.Tensor:
             kv = layer_kv[i]
-            store_kv(k, v, kv.k_cache, kv.v_cache, meta.slot_mapping, kv.k_scale, kv.v_scale, backend=meta.backend)
-            return paged_attention(q, kv.k_cache, kv.v_cache, meta, self.scale, kv.k_scale, kv.v_scale)
-        return self._decode(block_embeds, positions, attend, meta.backend)
+            q, _, _ = self._heads(layer, self.num_heads, qkv, positions, meta.backend, kv, meta.slot_mapping)
+            return paged_attention(q, kv.k_cache, kv.v_cache, meta, self.scale, kv.k_scale,
+                                   kv.v_scale).flatten(-2)
+        return self._decode(block_embeds, attention, meta.backend)
 
     # --- training: dense attention over the projected context ----------------------------------
     def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, target_features: torch.Tensor,
@@ -331,15 +309,16 @@ class DFlashDrafter(nn.Module):
         context = self.project_context(target_features)
         group = c.num_attention_heads // c.num_key_value_heads
 
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attention(i: int, layer: DFlashLayer, qkv: torch.Tensor) -> torch.Tensor:
+            q, k, v = self._heads(layer, self.num_heads, qkv, block_positions, "torch")
             # The context K/V are exactly what serving stores in the draft layer's pages.
-            k_ctx, v_ctx = self._kv(self.layers[i], context, context_positions)
+            _, k_ctx, v_ctx = self._heads(layer, 0, self._kv_projection(layer, context), context_positions, "torch")
             k = torch.cat([k_ctx, k], dim=-3).repeat_interleave(group, dim=-2)
             v = torch.cat([v_ctx, v], dim=-3).repeat_interleave(group, dim=-2)
             out = F.scaled_dot_product_attention(q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2),
                                                  attn_mask=attn_mask, scale=self.scale)
-            return out.transpose(-3, -2)
-        return self._decode(block_embeds, block_positions, attend)
+            return out.transpose(-3, -2).flatten(-2)
+        return self._decode(block_embeds, attention)
 
 
 def checkpoint_shapes(config: DFlashConfig) -> dict[str, tuple[int, ...]]:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
+from engine.attention import store_kv
 from engine.model import add_rms_norm, apply_rope, rms_norm, rope_table
 from spec_decode import LLM as SpecLLM
 from tests import checkpoints
@@ -64,6 +65,37 @@ def test_qk_norm_rope_equals_the_per_head_norm_and_rotate_half(dtype):
     # Position 0 does not rotate: q there is the normed q itself (a kernel rotating at the wrong row would not be).
     torch.testing.assert_close(q[0], rms_norm(qkv[0, :heads * dim].view(heads, dim), q_norm, 1e-6),
                                **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.bfloat16, torch.float8_e4m3fn), (torch.float16, torch.float16)])
+def test_qk_norm_rope_stores_k_and_v_in_the_pages_as_store_kv_does(dtype, cache_dtype):
+    """With the caches given, the kernel writes each token's k and v into its slot itself (the K/V store needs no
+    kernel of its own): the pages hold exactly what ``store_kv`` writes from the returned k and v (FP8 scaled and
+    saturated alike), a slot of -1 (a padding row) writes nothing, and q is the same."""
+    heads, kv_heads, dim, tokens, page = 4, 2, 16, 5, 4
+    g = torch.Generator().manual_seed(6)
+    qkv = (2 * torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g)).to(dtype).to(DEVICE)
+    q_norm = (1 + 0.2 * torch.randn(dim, generator=g)).to(dtype).to(DEVICE)
+    k_norm = (1 - 0.2 * torch.randn(dim, generator=g)).to(dtype).to(DEVICE)
+    cos, sin = (t.to(dtype).to(DEVICE) for t in rope_table(dim, 10000.0, 64, DEVICE))
+    positions = torch.tensor([0, 7, 8, 63, 31], device=DEVICE)
+    slots = torch.tensor([3, 9, -1, 0, 14], device=DEVICE)
+    scales = (0.05, 0.02) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)    # the smaller one saturates
+    # Head-major pages, as the pool lays them out ([page, head, token, dim] in memory).
+    caches = [[torch.zeros(6, kv_heads, page, dim, device=DEVICE).to(cache_dtype).transpose(1, 2) for _ in range(2)]
+              for _ in range(2)]
+    q, k, v = ops().qk_norm_rope(qkv, heads, kv_heads, dim, q_norm, k_norm, 1e-6, positions, cos, sin)
+    store_kv(k, v, *caches[0], slots, *scales, backend="triton")
+    stored = ops().qk_norm_rope(qkv, heads, kv_heads, dim, q_norm, k_norm, 1e-6, positions, cos, sin,
+                                store=(*caches[1], slots, *scales))
+    assert torch.equal(stored[0], q) and stored[1:] == (None, None)
+    for want, got in zip(*caches):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        assert got.view(torch.uint8).flatten(2).any(-1).sum() == 4        # 4 slots, not the -1
+    with pytest.raises(ValueError, match="a cache must be"):
+        ops().qk_norm_rope(qkv, heads, kv_heads, dim, q_norm, k_norm, 1e-6, positions, cos, sin,
+                           store=(caches[1][0][..., :8], caches[1][1], slots, 1.0, 1.0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
