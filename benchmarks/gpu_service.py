@@ -362,6 +362,8 @@ def main() -> int:
     p.add_argument("--paired", type=int, default=24, metavar="N",
                    help="throughput: after the load runs, N fresh prompts one at a time to each app in turn "
                         "(as in benchmarks/serve_bench.py; 0: none)")
+    p.add_argument("--paired-idle", type=float, default=0.1, metavar="S",
+                   help="seconds between the paired requests (0: back to back)")
     args = p.parse_args()
     from benchmarks.serve_bench import _serve_mode
 
@@ -435,7 +437,8 @@ def main() -> int:
                             from benchmarks.serve_bench import format_paired, paired
 
                             result["paired"] = paired(urls, argparse.Namespace(
-                                paired=args.paired, prompt_file=None, input_len=64, output_len=8, min_requests=1))
+                                paired=args.paired, paired_idle=args.paired_idle, prompt_file=None, input_len=64,
+                                output_len=8, min_requests=1))
                             print(format_paired(result["paired"]), flush=True)
                 for name in list(urls):
                     if name in serve.status().applications:

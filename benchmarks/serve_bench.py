@@ -136,9 +136,12 @@ def format_paired(p: dict) -> str:
         return "-" if v is None else f"{v * 1e3:.2f}"
 
     ratio = "-" if p["ttft_delta_s"] is None or not p["mean_read_s"] else f"{p['ttft_delta_s'] / p['mean_read_s']:.1f}"
-    return (f"paired, one request at a time ({p['pairs']} prompts, agg and disagg in turn): disagg - agg TTFT "
-            f"{ms(p['ttft_delta_s'])} ms (median), READ {ms(p['mean_read_s'])} ms, ratio {ratio}; first inter-token "
-            f"gap disagg - agg {ms(p['first_gap_delta_s'])} ms (the hand-off's stall)")
+    quartiles = p.get("ttft_delta_quartiles_s")
+    spread = f", quartiles {ms(quartiles[0])} / {ms(quartiles[1])}" if quartiles else ""
+    return (f"paired, one request at a time ({p['pairs']} prompts, agg and disagg in turn, {p.get('idle_s', 0):g} s "
+            f"apart): disagg - agg TTFT {ms(p['ttft_delta_s'])} ms (median{spread}), READ {ms(p['mean_read_s'])} ms, "
+            f"ratio {ratio}; first inter-token gap disagg - agg {ms(p['first_gap_delta_s'])} ms (the hand-off's "
+            f"stall)")
 
 
 def _median(values):
@@ -167,7 +170,10 @@ def _ratios(summaries: list[dict], offline: list[dict]) -> str:
 def paired(urls: dict[str, str], args) -> dict:
     """One request at a time, each prompt to the aggregated then the disaggregated app (the order alternating from
     pair to pair), so that both see the machine in the same state: the median over pairs of what disaggregation adds
-    to TTFT and to the first inter-token gap (the hand-off's stall), against the mean READ of those requests."""
+    to TTFT and to the first inter-token gap (the hand-off's stall), against the mean READ of those requests. Each
+    request starts ``args.paired_idle`` seconds after the one before ended: back to back, on a small machine, a
+    request is faster when the one before went to the same application (its processes still running), which
+    turns the median by the order of each pair (benchmarks/README.md)."""
     import asyncio
 
     import httpx
@@ -176,6 +182,7 @@ def paired(urls: dict[str, str], args) -> dict:
 
     ns = _bench_args(urls["agg"], "paired", 1, args)
     ns.num_requests, ns.output_len = args.paired, 8
+    idle = getattr(args, "paired_idle", 0.1)
     model = httpx.get(f"{urls['agg']}/v1/models", timeout=30).json()["data"][0]["id"]
     before = _histograms(urls["disagg"])
 
@@ -184,7 +191,10 @@ def paired(urls: dict[str, str], args) -> dict:
         async with httpx.AsyncClient(timeout=120) as client:
             for i, prompt in enumerate(_prompts(ns)):
                 order = ("agg", "disagg") if i % 2 == 0 else ("disagg", "agg")
-                pair = {name: await _one(client, urls[name], model, prompt, ns) for name in order}
+                pair = {}
+                for name in order:
+                    await asyncio.sleep(idle)
+                    pair[name] = await _one(client, urls[name], model, prompt, ns)
                 if all(r.ok and r.itl for r in pair.values()):
                     results.append(pair)
         return results
@@ -196,7 +206,8 @@ def paired(urls: dict[str, str], args) -> dict:
     ttft = sorted(p["disagg"].ttft - p["agg"].ttft for p in pairs)
     gap = sorted(p["disagg"].itl[0] - p["agg"].itl[0] for p in pairs)
     return {"pairs": len(pairs), "ttft_delta_s": ttft[len(ttft) // 2] if ttft else None,
-            "first_gap_delta_s": gap[len(gap) // 2] if gap else None, "mean_read_s": read}
+            "ttft_delta_quartiles_s": (ttft[len(ttft) // 4], ttft[3 * len(ttft) // 4]) if ttft else None,
+            "first_gap_delta_s": gap[len(gap) // 2] if gap else None, "mean_read_s": read, "idle_s": idle}
 
 
 def _serve_mode(mode: str) -> dict[str, str]:
@@ -223,9 +234,11 @@ def main() -> int:
                    help="nice value of the Ray workers (Ray's own default is 15); the offline engine runs at 0")
     p.add_argument("--client-processes", type=int, default=1,
                    help="load client processes per run (dflash-serve bench --client-processes)")
-    p.add_argument("--paired", type=int, default=24, metavar="N",
+    p.add_argument("--paired", type=int, default=64, metavar="N",
                    help="after the load runs, N prompts one at a time to each app in turn: paired TTFT and first-gap "
                         "differences (0: skip)")
+    p.add_argument("--paired-idle", type=float, default=0.1, metavar="S",
+                   help="seconds between the paired requests (0: back to back)")
     p.add_argument("--serve-mode", choices=["throughput", "default"], default="throughput",
                    help="throughput: Ray Serve's high-throughput mode, as dflash-serve up runs it (SERVE_ENV in "
                         "serve_app/config.py); default: Serve's own defaults (its Python HTTP proxy, Ray calls "
