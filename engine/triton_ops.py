@@ -276,13 +276,14 @@ def skinny_fits(rows: int, weight: torch.Tensor, x_dtype: torch.dtype) -> bool:
             and weight.shape[1] % SKINNY_BLOCK_K == 0)
 
 
-def _skinny_tiles(n: int, k: int, device: torch.device) -> tuple[int, int, int]:
+def _skinny_tiles(n: int, k: int, device: torch.device, x_tiles: int = 1) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, stages), from a sweep on an H100 and an H200 (benchmarks/README.md): weights of 16k+
     rows take 64-column tiles 3 deep, others 32 columns 6 deep, 256 wide along a long K (one program per
-    multiprocessor at 4096 columns); as many stages as the device's shared memory holds."""
+    multiprocessor at 4096 columns); as many stages as the device's shared memory holds, each holding the weight's
+    tile and ``x_tiles`` input tiles (2 for SwiGLU's gate and up)."""
     block_n, stages = (64, 3) if n >= 16384 else (32, 6)
     block_k = 256 if k >= 8192 and k % 256 == 0 else SKINNY_BLOCK_K
-    stage_bytes = (16 + block_n) * block_k * 2
+    stage_bytes = (16 * x_tiles + block_n) * block_k * 2
     return block_n, block_k, max(2, min(stages, (_shared_memory(device) - 8192) // stage_bytes))
 
 
@@ -330,7 +331,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, 
                              f"{tuple(residual.shape)} strides {residual.stride()}")
     out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
     if rows.shape[0]:
-        block_n, block_k, stages = tiles or _skinny_tiles(n, k, x.device)
+        block_n, block_k, stages = tiles or _skinny_tiles(n, k, x.device, 2 if silu else 1)
         if k % block_k:
             raise ValueError(f"K {k} is not a multiple of the K tile {block_k}")
         _skinny_linear_kernel[(triton.cdiv(n, block_n),)](

@@ -1,0 +1,91 @@
+"""The layer kernels compiled for an H100 (sm_90) by Triton's own compiler, on any machine (no GPU needed). The
+interpreter that runs them in the other CPU tests never lowers them, so a kernel that only fails to compile for
+a GPU, or whose weight stream lost its pipelining, would pass every CPU test. These compile each variant a
+few-row step launches, with the specialisations a real call gets (16-byte aligned pointers, sizes and strides
+multiples of 16), in a process of their own (this one may run Triton's interpreter, which compiles nothing), and
+read the PTX."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.triton
+ROOT = Path(__file__).resolve().parents[1]
+
+# (name, kernel, runtime argument types, constexprs, stages)
+BF16_POINTERS = ("x_ptr", "w_ptr", "out_ptr", "g_ptr", "res_ptr")
+LINEARS = {f"{prologue}{'+residual' if residual else ''}": (
+    "_skinny_linear_kernel", {**{p: "*bf16" for p in BF16_POINTERS}, "eps": "fp32"},
+    dict(PROLOGUE=prologue, RESIDUAL=residual, ROUND="bf16", BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+         DOT_FP32=False), stages)
+    for prologue, residual, block_n, block_k, stages in [("none", False, 64, 128, 3), ("norm", False, 64, 128, 3),
+                                                         ("none", True, 32, 128, 6), ("silu", True, 32, 256, 6)]}
+QK_TYPES = {**{p: "*bf16" for p in ("qkv_ptr", "q_ptr", "k_ptr", "q_norm_ptr", "k_norm_ptr", "cos_ptr", "sin_ptr")},
+            "pos_ptr": "*i64", "slot_ptr": "*i64", "k_scale": "fp32", "v_scale": "fp32", "eps": "fp32"}
+QK_NORM_ROPE = {f"{cache} store={store}": (
+    "_qk_norm_rope_kernel", {**QK_TYPES, "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}"},
+    dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, PAGE_SIZE=16, ROUND="bf16", STORE=store), 3)
+    for cache in ("fp8e4nv", "bf16") for store in (True, False)}
+
+
+def _compile_all(variants: dict) -> dict:
+    """Run in a fresh process without the interpreter: each variant's shared memory and PTX."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile as triton_compile
+
+    from engine import triton_ops
+
+    out = {}
+    for name, (kernel, types, constexprs, stages) in variants.items():
+        fn = getattr(triton_ops, kernel)
+        signature = {arg: types.get(arg, "constexpr" if arg in constexprs else "i32") for arg in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
+                 if signature[arg].startswith("*") or (signature[arg] == "i32" and arg != "M")}
+        compiled = triton_compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages})
+        out[name] = {"shared": compiled.metadata.shared, "ptx": compiled.asm["ptx"]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def codegen():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = ("import json, sys; from tests.test_kernel_codegen import LINEARS, QK_NORM_ROPE, _compile_all; "
+              "json.dump(_compile_all({**LINEARS, **QK_NORM_ROPE}), sys.stdout)")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("name", list(LINEARS))
+def test_each_few_row_linear_variant_compiles_with_its_weight_tiles_pipelined(codegen, name):
+    """qkv / gate_up (the norm folded in), o (the residual add), down (SwiGLU and the add) and the plain product
+    compile for sm_90 with the tiles of an 8B-shaped step: tiles loaded by cp.async into several stages of shared
+    memory (the weight streams while earlier tiles multiply), products on the tensor cores, and each folded op
+    present only where it is folded in."""
+    _, _, constexprs, _ = LINEARS[name]
+    ptx, shared = codegen[name]["ptx"], codegen[name]["shared"]
+    x_tiles = 2 if constexprs["PROLOGUE"] == "silu" else 1
+    stage_bytes = (16 * x_tiles + constexprs["BLOCK_N"]) * constexprs["BLOCK_K"] * 2
+    assert re.search(r"cp\.async\.(cg|ca)", ptx)
+    assert shared >= 2 * stage_bytes, (shared, stage_bytes)
+    assert re.search(r"mma\.sync|wgmma", ptx)
+    assert ("ex2.approx" in ptx) == (constexprs["PROLOGUE"] == "silu")
+    assert ("rsqrt" in ptx) == (constexprs["PROLOGUE"] == "norm")
+
+
+@pytest.mark.parametrize("name", list(QK_NORM_ROPE))
+def test_the_q_k_norm_rope_kernel_compiles_with_and_without_the_kv_store(codegen, name):
+    """The q/k norm + RoPE kernel for sm_90, with the K/V store folded in (FP8 and bf16 pages) and without: only
+    the FP8 store writes single bytes."""
+    _, _, constexprs, _ = QK_NORM_ROPE[name]
+    ptx = codegen[name]["ptx"]
+    assert "rsqrt" in ptx
+    byte_stores = re.search(r"st\.global(\.\w+)*\.(b8|u8)\b", ptx) is not None
+    assert byte_stores == (constexprs["STORE"] and name.startswith("fp8"))
