@@ -1,10 +1,11 @@
-"""The layer kernels compiled for an H100 (sm_90) by Triton's own compiler, on any machine (no GPU needed). The
-interpreter that runs them in the other CPU tests never lowers them, so a kernel that only fails to compile for
-a GPU, or whose weight stream lost its pipelining, would pass every CPU test. These compile each variant a
-few-row step launches, with the specialisations a real call gets (16-byte aligned pointers, sizes and strides
-multiples of 16), in a process of their own (this one may run Triton's interpreter, which compiles nothing), and
-read the PTX."""
+"""The layer kernels and the decode attention kernel compiled for an H100 (sm_90) by Triton's own compiler, on any
+machine (no GPU needed). The interpreter that runs them in the other CPU tests never lowers them, so a kernel that
+only fails to compile for a GPU, or whose tiles lost their pipelining, would pass every CPU test. These compile
+the variants a few-row step launches, with the specialisations a real call gets (16-byte aligned pointers, sizes
+and strides multiples of 16, except what a kernel declares unspecialised), in a process of their own (this one may
+run Triton's interpreter, which compiles nothing), and read the PTX."""
 
+import importlib
 import json
 import os
 import re
@@ -31,6 +32,15 @@ QK_NORM_ROPE = {f"{cache} store={store}": (
     "_qk_norm_rope_kernel", {**QK_TYPES, "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}"},
     dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, PAGE_SIZE=16, ROUND="bf16", STORE=store), 3)
     for cache in ("fp8e4nv", "bf16") for store in (True, False)}
+# The split-KV decode kernel at Qwen3-8B's heads (GQA group 4, head dim 128) with each cache dtype's tiling.
+DECODE = {f"decode {cache}": (
+    "triton_attention._decode_split_kernel",
+    {"q_ptr": "*bf16", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}", "out_ptr": "*bf16",
+     "partial_out_ptr": "*bf16", "partial_lse_ptr": "*fp32", "block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32",
+     "seq_lens_ptr": "*i32", "qk_scale_log2": "fp32", "v_scale": "fp32"},
+    dict(GROUP=4, CAUSAL=False, PAGE_SIZE=16, BLOCK_M=16, BLOCK_N=block_n, HEAD_DIM=128, BLOCK_D=128, DOT_DTYPE=dot,
+         SINGLE_SPLIT=False, PREFETCH_PAGES=prefetch, MAX_SPLIT_TILES=2048 // block_n), 3)
+    for cache, block_n, dot, prefetch in (("fp8e4nv", 128, "fp16", True), ("bf16", 64, "bf16", False))}
 
 
 def _compile_all(variants: dict) -> dict:
@@ -38,14 +48,16 @@ def _compile_all(variants: dict) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile
 
-    from engine import triton_ops
-
     out = {}
     for name, (kernel, types, constexprs, stages) in variants.items():
-        fn = getattr(triton_ops, kernel)
+        module, _, kernel = kernel.rpartition(".")
+        fn = getattr(importlib.import_module(f"engine.{module or 'triton_ops'}"), kernel)
         signature = {arg: types.get(arg, "constexpr" if arg in constexprs else "i32") for arg in fn.arg_names}
+        # What the kernel declares unspecialised stays so (sizes that vary by step, metadata slices' pointers).
+        plain = {fn.arg_names[i] if isinstance(i, int) else i
+                 for i in [*fn.do_not_specialize, *fn.do_not_specialize_on_alignment]}
         attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
-                 if signature[arg].startswith("*") or (signature[arg] == "i32" and arg != "M")}
+                 if arg not in plain and (signature[arg].startswith("*") or signature[arg] == "i32")}
         compiled = triton_compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages})
         out[name] = {"shared": compiled.metadata.shared, "ptx": compiled.asm["ptx"]}
@@ -55,8 +67,8 @@ def _compile_all(variants: dict) -> dict:
 @pytest.fixture(scope="module")
 def codegen():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = ("import json, sys; from tests.test_kernel_codegen import LINEARS, QK_NORM_ROPE, _compile_all; "
-              "json.dump(_compile_all({**LINEARS, **QK_NORM_ROPE}), sys.stdout)")
+    script = ("import json, sys; from tests.test_kernel_codegen import DECODE, LINEARS, QK_NORM_ROPE, _compile_all; "
+              "json.dump(_compile_all({**LINEARS, **QK_NORM_ROPE, **DECODE}), sys.stdout)")
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -89,3 +101,15 @@ def test_the_q_k_norm_rope_kernel_compiles_with_and_without_the_kv_store(codegen
     assert "rsqrt" in ptx
     byte_stores = re.search(r"st\.global(\.\w+)*\.(b8|u8)\b", ptx) is not None
     assert byte_stores == (constexprs["STORE"] and name.startswith("fp8"))
+
+
+@pytest.mark.parametrize("name", list(DECODE))
+def test_the_split_kv_decode_kernel_compiles_for_each_cache_dtype(codegen, name):
+    """The decode attention kernel for sm_90 with the tiles each cache dtype takes: K/V tiles through cp.async
+    stages, both products on the tensor cores, and FP8 pages widened to fp16 two values an instruction (the
+    conversion its speed rests on), bf16 pages not converted at all."""
+    ptx = codegen[name]["ptx"]
+    assert re.search(r"cp\.async\.(cg|ca)", ptx)
+    assert re.search(r"mma\.sync|wgmma", ptx)
+    assert bool(re.search(r"cvt\.rn\.f16x2\.e4m3x2", ptx)) == name.endswith("fp8e4nv")
+
