@@ -330,7 +330,8 @@ def show_store_mismatches(attention, key, value, page_size, cache_dtype, scale, 
 
 
 def sweep(attention, ta, shapes, bench, bandwidth, device, torch):
-    """Decode tile, warp, stage and split-count variants around the defaults, printed as they come."""
+    """Decode tile, warp, stage and split-count variants around the defaults, and FP8 V widened the other way,
+    printed as they come."""
     if device == "cpu":
         return
     print("\n# decode sweeps, page 16 (us per layer; floor at measured copy bandwidth)")
@@ -345,6 +346,9 @@ def sweep(attention, ta, shapes, bench, bandwidth, device, torch):
             floor = (case.kv_bytes() + case.query.numel() * case.query.element_size()) / bandwidth * 1e6
             variants = [dict(block_n=bn, num_warps=w, num_stages=st) for bn, w, st in tilings[cache_dtype]]
             variants += [dict(num_splits=n) for n in splits] + [dict()] + list(loops)
+            if cache_dtype == attention.FP8_DTYPE:  # V widened as it arrives or at the product, 3 or 2 stages
+                variants += [dict(widen_v=not widened, num_stages=st) for widened in [ta.DECODE_TILING[1].widen_v]
+                             for st in (2, 3)]
             for kw in variants:
                 try:
                     t = bench.graph_ms(case.all_layers(ta.decode_attention, **kw)) / case.layers * 1e3

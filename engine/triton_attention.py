@@ -162,10 +162,13 @@ def _attend_kv_tile(
     q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, page, kv_head, tile_start, kv_end, row_pos,
     qk_scale_log2, stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok, stride_v_head,
     CAUSAL: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, WIDEN_V: tl.constexpr,
 ):
     """One online-softmax step over kv positions [tile_start, tile_start + BLOCK_N), whose pages ``page`` holds
-    (``_tile_pages``); returns the new (m, l, acc)."""
+    (``_tile_pages``); returns the new (m, l, acc). ``WIDEN_V`` (FP8 caches) widens the V tile to the dot's dtype
+    as it arrives and zeroes its masked rows after: the widened tile then reaches the tensor cores through 16-bit
+    transposed shared-memory loads, where an FP8 tile widened at the product is read from shared memory a byte at
+    a time (no 8-bit transposed ldmatrix on sm_90)."""
     pos = tile_start + tl.arange(0, BLOCK_N)
     pos_valid = pos < kv_end
     dims = tl.arange(0, BLOCK_D)
@@ -185,7 +188,11 @@ def _attend_kv_tile(
     l_i = l_i * alpha + tl.sum(p, axis=1)
 
     v_rows = page * stride_v_page + slot_in_page * stride_v_tok + kv_head * stride_v_head
-    v = tl.load(v_cache_ptr + v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    v_ptrs = v_cache_ptr + v_rows[:, None] + dims[None, :]
+    if WIDEN_V:
+        v = tl.where(kv_mask, tl.load(v_ptrs, mask=kv_mask).to(tl.float16 if DOT_DTYPE == "fp16" else tl.bfloat16), 0.0)
+    else:
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + _dot(p, v, DOT_DTYPE)
     return m_new, l_i, acc
 
@@ -264,7 +271,7 @@ def _varlen_attention_kernel(
         m_i, l_i, acc = _attend_kv_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, page, kv_head, tile_start, kv_end, row_pos,
             qk_scale_log2, stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok, stride_v_head,
-            CAUSAL, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_DTYPE,
+            CAUSAL, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_DTYPE, False,
         )
     l_i = tl.where(l_i > 0, l_i, 1.0)
     out = acc * (v_scale / l_i)[:, None]  # V's fp8 scale applied once, to the output, instead of per element
@@ -296,6 +303,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, PREFETCH_PAGES: tl.constexpr, MAX_SPLIT_TILES: tl.constexpr,
+    WIDEN_V: tl.constexpr,
 ):
     """Program (seq, kv head, split): the sequence's queries (one when decoding, a short block when verifying
     drafts or drafting) x the GQA group against one split of its KV (``_seq_split``). ``PREFETCH_PAGES`` loads
@@ -341,7 +349,7 @@ def _decode_split_kernel(
         m_i, l_i, acc = _attend_kv_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, page, kv_head, tile_start, kv_end, row_pos,
             qk_scale_log2, stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok, stride_v_head,
-            CAUSAL, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_DTYPE,
+            CAUSAL, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_DTYPE, WIDEN_V,
         )
         if PREFETCH_PAGES:
             page = next_page
@@ -442,11 +450,11 @@ def varlen_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
 
 def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_scale=1.0, v_scale=1.0, *,
                      num_splits=None, block_n=None, num_warps=None, num_stages=None, prefetch_pages=None,
-                     programs_per_multiprocessor=None, max_split_keys=None) -> torch.Tensor:
+                     programs_per_multiprocessor=None, max_split_keys=None, widen_v=None) -> torch.Tensor:
     """Split-KV attention for batches with short query blocks per sequence: one query (decode) or up to
     ``split_kv_max_query_len`` (draft verification, drafter blocks; causal or not, as ``meta`` says). Tiling
-    defaults per cache dtype (``prefetch_pages`` and ``programs_per_multiprocessor``, which sizes the default
-    split count, too); ``num_splits`` sets the splits per sequence (``_seq_split``)."""
+    defaults per cache dtype (``prefetch_pages``, ``widen_v`` and ``programs_per_multiprocessor``, which sizes the
+    default split count, too); ``num_splits`` sets the splits per sequence (``_seq_split``)."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs, num_kv_heads = meta.seq_lens.shape[0], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -479,7 +487,8 @@ def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
         BLOCK_M=decode_block_m(meta.max_query_len, group),
         BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_DTYPE=_dot_dtype(query, k_cache),
         SINGLE_SPLIT=single, PREFETCH_PAGES=tiling.prefetch_pages if prefetch_pages is None else prefetch_pages,
-        MAX_SPLIT_TILES=max_split_tiles,
+        MAX_SPLIT_TILES=max_split_tiles, WIDEN_V=(tiling.widen_v if widen_v is None else widen_v)
+        and k_cache.dtype == FP8_DTYPE,
         num_warps=num_warps or tiling.num_warps, num_stages=num_stages or tiling.num_stages,
     )
     if not single:
@@ -623,6 +632,8 @@ class DecodeTiling:
     # (``splits_per_sequence``): 4 instead of 2 changed nothing beyond the noise on the H200, 1 was faster on an H100.
     prefetch_pages: bool = False
     programs_per_multiprocessor: int = 1
+    # FP8 V widened as it arrives (``_attend_kv_tile``'s ``WIDEN_V``), not at the product.
+    widen_v: bool = False
 
 
 # Per cache element size (bytes): 16 KB K tiles, three stages. On an H200 (Qwen3-8B heads, batch 32 x 4k) 128-row

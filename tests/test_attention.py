@@ -440,6 +440,27 @@ def test_triton_split_kv_attention_of_short_blocks_matches_torch(query_dtype, ca
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("num_splits,prefetch", [(1, False), (3, True)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_triton_fp8_decode_widens_v_as_it_arrives_to_the_same_bits(num_splits, prefetch, causal):
+    """FP8 V widened to fp16 as each tile arrives (``widen_v``, its masked rows zeroed after) gives the bits the
+    kernel gives widening it at the product: single decode tokens and causal / non-causal short blocks, splits
+    ending mid-tile, a row without a query."""
+    from engine.triton_attention import decode_attention
+
+    for spec in (DECODE_BATCH, BLOCK_BATCH):
+        meta, k_cache, v_cache, query = _triton_case(torch.bfloat16, FP8_DTYPE, 0.02, 16, spec, num_q_heads=8)
+        meta.causal = causal
+        kw = dict(k_scale=0.02, v_scale=0.02, num_splits=num_splits, prefetch_pages=prefetch)
+        at_product = decode_attention(query, k_cache, v_cache, meta, 0.2, widen_v=False, **kw)
+        widened = decode_attention(query, k_cache, v_cache, meta, 0.2, widen_v=True, **kw)
+        rows = int(meta.query_start_loc[-1])
+        assert torch.equal(widened[:rows], at_product[:rows])
+        ref = run("torch", query, k_cache, v_cache, meta, 0.2, k_scale=0.02, v_scale=0.02)
+        assert rel_err(widened, ref) < LOW_PRECISION_TOL
+
+
+@pytest.mark.triton
 @pytest.mark.parametrize("batch,num_q_heads", [(DECODE_BATCH, 6), (BLOCK_BATCH, 8)])
 def test_triton_dispatch_sends_short_blocks_to_split_kernel(monkeypatch, batch, num_q_heads):
     """Decode (one query a row) and, in a batch that leaves an H200's multiprocessors idle, verification blocks

@@ -32,15 +32,18 @@ QK_NORM_ROPE = {f"{cache} store={store}": (
     "_qk_norm_rope_kernel", {**QK_TYPES, "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}"},
     dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, PAGE_SIZE=16, ROUND="bf16", STORE=store), 3)
     for cache in ("fp8e4nv", "bf16") for store in (True, False)}
-# The split-KV decode kernel at Qwen3-8B's heads (GQA group 4, head dim 128) with each cache dtype's tiling.
-DECODE = {f"decode {cache}": (
+# The split-KV decode kernel at Qwen3-8B's heads (GQA group 4, head dim 128) with each cache dtype's tiling; FP8 V
+# widened as it arrives and at the product.
+DECODE = {f"decode {cache}{' widened' if widen else ''}": (
     "triton_attention._decode_split_kernel",
     {"q_ptr": "*bf16", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}", "out_ptr": "*bf16",
      "partial_out_ptr": "*bf16", "partial_lse_ptr": "*fp32", "block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32",
      "seq_lens_ptr": "*i32", "qk_scale_log2": "fp32", "v_scale": "fp32"},
     dict(GROUP=4, CAUSAL=False, PAGE_SIZE=16, BLOCK_M=16, BLOCK_N=block_n, HEAD_DIM=128, BLOCK_D=128, DOT_DTYPE=dot,
-         SINGLE_SPLIT=False, PREFETCH_PAGES=prefetch, MAX_SPLIT_TILES=2048 // block_n), 3)
-    for cache, block_n, dot, prefetch in (("fp8e4nv", 128, "fp16", True), ("bf16", 64, "bf16", False))}
+         SINGLE_SPLIT=False, PREFETCH_PAGES=prefetch, MAX_SPLIT_TILES=2048 // block_n, WIDEN_V=widen), 3)
+    for cache, block_n, dot, prefetch, widen in (("fp8e4nv", 128, "fp16", True, False),
+                                                 ("fp8e4nv", 128, "fp16", True, True),
+                                                 ("bf16", 64, "bf16", False, False))}
 
 
 def _compile_all(variants: dict) -> dict:
@@ -111,5 +114,16 @@ def test_the_split_kv_decode_kernel_compiles_for_each_cache_dtype(codegen, name)
     ptx = codegen[name]["ptx"]
     assert re.search(r"cp\.async\.(cg|ca)", ptx)
     assert re.search(r"mma\.sync|wgmma", ptx)
-    assert bool(re.search(r"cvt\.rn\.f16x2\.e4m3x2", ptx)) == name.endswith("fp8e4nv")
+    assert bool(re.search(r"cvt\.rn\.f16x2\.e4m3x2", ptx)) == ("fp8e4nv" in name)
+
+
+def test_fp8_v_widened_as_it_arrives_reaches_the_tensor_cores_without_byte_wide_loads(codegen):
+    """The P @ V product reads V transposed from shared memory. An FP8 tile widened at the product is read a byte at
+    a time (sm_90 has no 8-bit transposed ldmatrix); widened as it arrives (``WIDEN_V``) it is stored as fp16 and
+    read by 16-bit transposed ldmatrix, with no byte-wide shared-memory load left in the kernel."""
+    byte_loads = r"ld\.shared\.[bu]8\b"
+    transposed = r"ldmatrix\.sync\.aligned\.m8n8\.x4\.trans\.shared\.b16"
+    widened, at_product = codegen["decode fp8e4nv widened"]["ptx"], codegen["decode fp8e4nv"]["ptx"]
+    assert re.search(byte_loads, at_product) and not re.search(transposed, at_product)
+    assert re.search(transposed, widened) and not re.search(byte_loads, widened)
 
