@@ -7,9 +7,9 @@ Prints prefill and decode tokens/s per batch for both, their ratio, and the deco
 of reading the weights and the KV once at the copy bandwidth measured here. ``--modes`` lists engines to run side
 by side as ``graphs/overlap`` pairs (``cuda_graphs`` and ``overlap`` settings); on CUDA by default eager, graphed,
 and graphed with the decode steps launched ahead of the host (``off/off,on/off,on/on``); a third field ``torch``
-(``on/on/torch``) keeps every linear on cuBLAS, without the few-row Triton kernel (``triton_ops.linear``), and
-``unfused`` keeps that kernel but runs the layers' norms, residual adds and SwiGLU as kernels of their own
-(``triton_ops.FUSED_LAYERS``); with ``--repeats N`` they take turns N times per batch and the step time is the
+(``on/on/torch``) keeps every linear on cuBLAS, without the few-row Triton kernel (``triton_ops.linear``);
+``fused`` and ``unfused`` keep that kernel with the layers' norms, residual adds and SwiGLU folded into it or as
+kernels of their own (``triton_ops.FUSED_LAYERS``; ``triton``, or no third field, takes its default); with ``--repeats N`` they take turns N times per batch and the step time is the
 median. ``--profile`` then prints, for the last mode's
 decode step, the kernels a step launches, the GPU's busy time against the step's wall time, and the top kernels.
 """
@@ -37,14 +37,15 @@ PRESETS = {
 @contextlib.contextmanager
 def linears(mode: tuple[str, ...]):
     """While a mode's engine captures or runs: the few-row linear kernel off (every linear on cuBLAS) for
-    ``.../torch``, the layers' elementwise work in kernels of its own for ``.../unfused``."""
+    ``.../torch``, the layers' elementwise work folded into it for ``.../fused`` and in kernels of its own for
+    ``.../unfused``."""
     from engine import triton_ops
 
-    if mode[2:] not in ((), ("triton",), ("torch",), ("unfused",)):
-        raise SystemExit(f"unknown linears setting in mode {'/'.join(mode)} (triton, torch or unfused)")
+    if mode[2:] not in ((), ("triton",), ("torch",), ("fused",), ("unfused",)):
+        raise SystemExit(f"unknown linears setting in mode {'/'.join(mode)} (triton, torch, fused or unfused)")
     rows, fused = triton_ops.SKINNY_MAX_ROWS, triton_ops.FUSED_LAYERS
     triton_ops.SKINNY_MAX_ROWS = 0 if mode[2:] == ("torch",) else rows
-    triton_ops.FUSED_LAYERS = mode[2:] != ("unfused",)
+    triton_ops.FUSED_LAYERS = {("fused",): True, ("unfused",): False}.get(mode[2:], fused)
     try:
         yield
     finally:

@@ -133,9 +133,10 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=1, help="passes of each engine, taking turns (medians)")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--linears", choices=["triton", "torch", "unfused"], default="triton",
+    ap.add_argument("--linears", choices=["triton", "torch", "fused", "unfused"], default="triton",
                     help="torch: every linear on cuBLAS, without the few-row Triton kernel (triton_ops.linear); "
-                         "unfused: that kernel without the layers' norms, residual adds and SwiGLU folded in")
+                         "fused / unfused: that kernel with or without the layers' norms, residual adds and SwiGLU "
+                         "folded in (triton: the engine's default, triton_ops.FUSED_LAYERS)")
     ap.add_argument("--profile", action="store_true", help="kernels and GPU busy time of a few with-drafter steps")
     ap.add_argument("--host", action="store_true",
                     help="cProfile the host's Python over the with-drafter generation (top functions by own and by "
@@ -146,7 +147,7 @@ def main():
 
     if args.linears == "torch":
         triton_ops.SKINNY_MAX_ROWS = 0
-    triton_ops.FUSED_LAYERS = args.linears == "triton"
+    triton_ops.FUSED_LAYERS = {"fused": True, "unfused": False}.get(args.linears, triton_ops.FUSED_LAYERS)
     base, spec, prompts = demo_engines(args) if args.preset == "demo" else random_engines(args)
     run(base, prompts[:2], 8, args.batch, phases=False)          # warm-up
     run(spec, prompts[:2], 8, args.batch, phases=False)

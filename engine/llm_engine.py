@@ -269,7 +269,8 @@ class LLMEngine:
                                                 causal=site.causal, max_seq_len=self.max_model_len,
                                                 k_scale=site.kv.k_scale, v_scale=site.kv.v_scale)
                     for site in self.attention_sites()]
-        linears = triton_ops.precompile_linears(self.linear_weights(), self.model.dtype, self.fused_linears())
+        linears = triton_ops.precompile_linears(self.linear_weights(), self.model.dtype,
+                                                self.fused_linears() if triton_ops.FUSED_LAYERS else ())
         log.info("kernels ready: %d attention variants, %d linear variants in %.1f s", sum(map(len, launched)),
                  linears, time.perf_counter() - start)
         return launched

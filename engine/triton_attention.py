@@ -632,7 +632,8 @@ class DecodeTiling:
     # (``splits_per_sequence``): 4 instead of 2 changed nothing beyond the noise on the H200, 1 was faster on an H100.
     prefetch_pages: bool = False
     programs_per_multiprocessor: int = 1
-    # FP8 V widened as it arrives (``_attend_kv_tile``'s ``WIDEN_V``), not at the product.
+    # FP8 V widened as it arrives (``_attend_kv_tile``'s ``WIDEN_V``), not at the product. Off: on an H200 it ran
+    # 0-14% slower (batch 1-128 x 1k-4k; benchmarks/README.md), though it leaves no byte-wide shared-memory load.
     widen_v: bool = False
 
 

@@ -221,9 +221,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # (benchmarks/README.md, "Few-row linears"). It takes up to SKINNY_MAX_ROWS rows: at 32 cuBLAS is as fast or
 # faster.
 SKINNY_MAX_ROWS = 16
-# A few-row step's decoder layers fold their norms, residual adds and SwiGLU into these linears
-# (``engine.model.decoder_layers``); False runs them as kernels of their own (benchmarks compare the two).
-FUSED_LAYERS = True
+# A few-row step's decoder layers may fold their norms, residual adds and SwiGLU into these linears
+# (``engine.model.decoder_layers``); False runs them as kernels of their own (benchmarks compare the two). Off: on
+# an H200 (Triton 3.6, Qwen3-8B shape, batch 1) the folded step took 19.0 ms against 4.75 unfused, the SwiGLU
+# prologue making down_proj ~8x slower and the norm prologue gate_up ~2.3x (benchmarks/README.md).
+FUSED_LAYERS = False
 SKINNY_BLOCK_K = 128
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 
