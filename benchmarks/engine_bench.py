@@ -38,18 +38,27 @@ PRESETS = {
 def linears(mode: tuple[str, ...]):
     """While a mode's engine captures or runs: the few-row linear kernel off (every linear on cuBLAS) for
     ``.../torch``, the layers' elementwise work folded into it for ``.../fused`` and in kernels of its own for
-    ``.../unfused``."""
-    from engine import triton_ops
+    ``.../unfused``; a fourth field ``pdl`` or ``serial`` launches the Triton kernels programmatically dependent
+    or one after another (``triton_attention.PDL``; by default, dependent where the GPU has it), ``pdl-noprefetch``
+    dependent without the linears' weight prefetch (``triton_ops.PREFETCH_STAGES``)."""
+    from engine import triton_attention, triton_ops
 
-    if mode[2:] not in ((), ("triton",), ("torch",), ("fused",), ("unfused",)):
-        raise SystemExit(f"unknown linears setting in mode {'/'.join(mode)} (triton, torch, fused or unfused)")
-    rows, fused = triton_ops.SKINNY_MAX_ROWS, triton_ops.FUSED_LAYERS
-    triton_ops.SKINNY_MAX_ROWS = 0 if mode[2:] == ("torch",) else rows
-    triton_ops.FUSED_LAYERS = {("fused",): True, ("unfused",): False}.get(mode[2:], fused)
+    linear, launch = (mode[2:3] or ("triton",))[0], mode[3:]
+    if (linear not in ("triton", "torch", "fused", "unfused")
+            or launch not in ((), ("pdl",), ("serial",), ("pdl-noprefetch",))):
+        raise SystemExit(f"unknown setting in mode {'/'.join(mode)}: linears triton, torch, fused or unfused, "
+                         f"launches pdl, pdl-noprefetch or serial")
+    rows, fused, pdl, prefetch = (triton_ops.SKINNY_MAX_ROWS, triton_ops.FUSED_LAYERS, triton_attention.PDL,
+                                  triton_ops.PREFETCH_STAGES)
+    triton_ops.SKINNY_MAX_ROWS = 0 if linear == "torch" else rows
+    triton_ops.FUSED_LAYERS = {"fused": True, "unfused": False}.get(linear, fused)
+    triton_attention.PDL = {("serial",): False}.get(launch, True if launch else pdl)
+    triton_ops.PREFETCH_STAGES = 0 if launch == ("pdl-noprefetch",) else prefetch
     try:
         yield
     finally:
-        triton_ops.SKINNY_MAX_ROWS, triton_ops.FUSED_LAYERS = rows, fused
+        (triton_ops.SKINNY_MAX_ROWS, triton_ops.FUSED_LAYERS, triton_attention.PDL,
+         triton_ops.PREFETCH_STAGES) = rows, fused, pdl, prefetch
 
 
 def sync(device):
@@ -223,7 +232,7 @@ def main():
             for mode in engines:
                 e_prefill = statistics.median(t[0] for t in timings[mode])
                 e_step = statistics.median(t[1] for t in timings[mode])
-                row = dict(batch=batch, graphs=mode[0], overlap=mode[1], linears=(mode[2:] or ("triton",))[0],
+                row = dict(batch=batch, graphs=mode[0], overlap=mode[1], linears="/".join(mode[2:]) or "triton",
                            engine_prefill_tok_s=batch * args.prompt_len / e_prefill,
                            hf_prefill_tok_s=batch * args.prompt_len / h_prefill,
                            engine_decode_tok_s=batch / e_step, hf_decode_tok_s=batch / h_step,
@@ -238,12 +247,12 @@ def main():
                     profile_decode(engines[modes[-1]], prompts, args.out_len)
     print(f"device {device} dtype {dtype} preset {args.preset}: weights {weight_bytes / 2**30:.2f} GiB, "
           f"copy bandwidth {bw / 1e9:.0f} GB/s (read+write)")
-    print(f"{'batch':>5} {'graphs':>6} {'overlap':>7} {'linears':>7} {'prefill tok/s':>14} {'hf':>10} {'ratio':>6} "
+    print(f"{'batch':>5} {'graphs':>6} {'overlap':>7} {'linears':>14} {'prefill tok/s':>14} {'hf':>10} {'ratio':>6} "
           f"{'decode tok/s':>13} {'hf':>10} "
           f"{'ratio':>6} "
           f"{'step ms':>8} {'hf ms':>8} {'floor ms':>9} {'floor/step':>10}")
     for r in results:
-        print(f"{r['batch']:>5} {r['graphs']:>6} {r['overlap']:>7} {r['linears']:>7} "
+        print(f"{r['batch']:>5} {r['graphs']:>6} {r['overlap']:>7} {r['linears']:>14} "
               f"{r['engine_prefill_tok_s']:>14.0f} "
               f"{r['hf_prefill_tok_s']:>10.0f} "
               f"{r['prefill_ratio']:>6.2f} {r['engine_decode_tok_s']:>13.0f} {r['hf_decode_tok_s']:>10.0f} "

@@ -26,6 +26,14 @@ per step, on the demo pair.
    a time (held-out prompts and short ones of 1-33 tokens, 1-48 new tokens each, arriving as others finish)
    makes Triton compile nothing (a compile inside a step stalls every request for 1-2 s), float32 and bf16 with
    an FP8 target cache. Off CUDA nothing is compiled (the interpreter runs the kernels): the check then only runs.
+7. Programmatic dependent launch (``engine.triton_attention.PDL``): with each kernel launched while the one before
+   it drains, a graphed, overlapped DFlash engine decodes the tokens and per-step AL it decodes with the kernels
+   launched one after another, float32 and bf16 with an FP8 target cache; and the median decode step of each. A
+   kernel that read its input before the previous kernel had written it would change them. Off sm_90 both runs
+   launch serially (the check then only runs).
+8. An engine built right after another was dropped, with the garbage collector run at nearly every allocation:
+   the dropped engine's graphs must not be freed inside the new engine's captures (no graph may be destroyed while
+   a stream captures; ``engine.cuda_graphs.capture_graph``). It decodes the first engine's tokens.
 
 Prints a table; exits 1 when a check fails.
 """
@@ -248,13 +256,68 @@ def no_compiles_while_serving(device: str, prompts: list[str], max_tokens: int) 
     return rows
 
 
+def pdl_matches_serial(device: str, prompts: list[str], max_tokens: int) -> list[tuple[str, bool, str]]:
+    from engine import triton_attention
+
+    rows = []
+    for dtype, kv_dtype in (("float32", "auto"), ("bfloat16", "fp8")):
+        runs = {}
+        for pdl in (False, None):
+            triton_attention.PDL = pdl
+            try:
+                llm = LLM(str(DEMO / "target"), draft=str(DEMO / "drafter"), device=device, dtype=dtype,
+                          kv_cache_dtype=kv_dtype)
+                engine = llm.engine
+                if device != "cuda":
+                    engine.enable_cuda_graphs(capture=False)
+                for i, prompt in enumerate(prompts * 2):
+                    engine.add_request(llm.tokenizer.encode(prompt), SamplingParams(max_tokens=max_tokens,
+                                                                                    ignore_eos=True),
+                                       request_id=str(i))
+                done, step_s = {}, []
+                while engine.has_unfinished():
+                    start = time.perf_counter()
+                    for out in engine.step():
+                        if out.finished:
+                            done[out.request_id] = (out.token_ids, out.acceptance_lengths)
+                    step_s.append(time.perf_counter() - start)
+                decode = sorted(step_s[1:]) or [float("nan")]
+                runs[pdl] = (done, decode[len(decode) // 2], triton_attention.pdl(torch.device(device)))
+            finally:
+                triton_attention.PDL = None
+        (serial, serial_s, _), (dependent, dependent_s, on) = runs[False], runs[None]
+        rows.append((f"pdl == serial {dtype}/{kv_dtype}", dependent == serial and len(dependent) == 2 * len(prompts),
+                     f"{'launched dependent' if on else 'PDL unavailable here: both serial'}; median step "
+                     f"{dependent_s * 1e3:.2f} ms / {serial_s * 1e3:.2f} ms serial = {dependent_s / serial_s:.2f}x"))
+    return rows
+
+
+def rebuild_under_collection(device: str, prompts: list[str], max_tokens: int) -> list[tuple[str, bool, str]]:
+    import gc
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    llm = LLM(str(DEMO / "target"), draft=str(DEMO / "drafter"), device=device, dtype="bfloat16")
+    first = [(o.token_ids, o.acceptance_lengths) for o in llm.generate(prompts, params)]
+    del llm                       # its graphs wait in reference cycles for the collector
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        llm = LLM(str(DEMO / "target"), draft=str(DEMO / "drafter"), device=device, dtype="bfloat16")
+    finally:
+        gc.set_threshold(*threshold)
+    again = [(o.token_ids, o.acceptance_lengths) for o in llm.generate(prompts, params)]
+    graphs = sum(len(g._graphs) for g in llm.engine.graphs) if device == "cuda" else 0
+    return [("rebuilt under collection", again == first, f"{graphs} graphs captured with the collector at every "
+             f"allocation, after dropping an engine")]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=48)
     checks = (lossless, syncs_per_step, seeded_repeat, graphs_match_eager, overlap_matches_sync,
-              no_compiles_while_serving)
+              no_compiles_while_serving, pdl_matches_serial, rebuild_under_collection)
     p.add_argument("--checks", nargs="+", default=[c.__name__ for c in checks], choices=[c.__name__ for c in checks])
     args = p.parse_args()
     prompts = heldout(args.prompts)

@@ -18,7 +18,9 @@ Each step runs in a process of its own under a time limit, its whole output kept
 7. ``linears`` (GPU only): ``linear_bench.py``, the few-row linear kernel against cuBLAS and the bytes floor;
 8. ``linears_engine`` (GPU only): ``engine_bench.py`` with the kernel on and the layers' norms, residual adds and
    SwiGLU folded into it, on with them as kernels of their own (the default), and off (every linear on cuBLAS), the
-   graphed + overlapped decode step at batch 1 / 8 / 32 (32 takes cuBLAS either way: the control).
+   graphed + overlapped decode step at batch 1 / 8 / 32 (32 takes cuBLAS either way: the control);
+9. ``pdl_engine`` (GPU only): ``engine_bench.py`` with the kernels launched one after another, programmatically
+   dependent without the linears' weight prefetch, and with it (the default), the same steps.
 
 Exits 1 if a step failed. The Ray + NIXL service on the GPU is ``gpu_service.py`` (it needs those wheels).
 """
@@ -47,7 +49,7 @@ def steps(device: str, out: Path) -> list[tuple[str, list[str], int]]:
     return [
         ("tests", py + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_attention.py",
                         "tests/test_layer_ops.py", "tests/test_cuda_graphs.py"], 300),
-        ("step_check", py + ["benchmarks/gpu_step_check.py", "--device", device], 200),
+        ("step_check", py + ["benchmarks/gpu_step_check.py", "--device", device], 400),
         ("engine", py + ["benchmarks/engine_bench.py", *engine, "--json", str(out / "engine.json")], 400),
         ("spec_b1", py + ["benchmarks/spec_bench.py", *big, "--num-prompts", "4", "--max-tokens", "64", "--batch", "1",
                           "--json", str(out / "spec_b1.json")], 120),
@@ -63,7 +65,11 @@ def steps(device: str, out: Path) -> list[tuple[str, list[str], int]]:
           ("linears_engine", py + ["benchmarks/engine_bench.py", "--preset", "qwen3-8b", "--device", "cuda",
                                    "--prompt-len", "512", "--out-len", "32", "--batches", "1,8,32", "--modes",
                                    "on/on/fused,on/on/unfused,on/on/torch", "--repeats", "3",
-                                   "--json", str(out / "linears_engine.json")], 360)] if gpu else [])
+                                   "--json", str(out / "linears_engine.json")], 360),
+          ("pdl_engine", py + ["benchmarks/engine_bench.py", "--preset", "qwen3-8b", "--device", "cuda",
+                               "--prompt-len", "512", "--out-len", "32", "--batches", "1,8,32", "--modes",
+                               "on/on/unfused/serial,on/on/unfused/pdl-noprefetch,on/on/unfused/pdl", "--repeats",
+                               "3", "--json", str(out / "pdl_engine.json")], 360)] if gpu else [])
 
 
 def headline(name: str, out: Path) -> str:
@@ -91,6 +97,13 @@ def headline(name: str, out: Path) -> str:
         return "; ".join(f"b{b}: {step[b, 'unfused']:.2f} ms, folded layers / separate kernels "
                          f"{step[b, 'fused'] / step[b, 'unfused']:.3f}, cuBLAS / Triton "
                          f"{step[b, 'torch'] / step[b, 'unfused']:.3f}" for b in sorted({b for b, _ in step}))
+    if name == "pdl_engine":
+        step = {(r["batch"], r["linears"].split("/")[-1]): r for r in data}
+        return "; ".join(f"b{b}: serial {step[b, 'serial']['engine_step_ms']:.2f} ms "
+                         f"({step[b, 'serial']['floor_over_engine']:.2f} of floor), dependent "
+                         f"{step[b, 'pdl']['engine_step_ms']:.2f} ({step[b, 'pdl']['floor_over_engine']:.2f}), "
+                         f"without the prefetch {step[b, 'pdl-noprefetch']['engine_step_ms']:.2f}"
+                         for b in sorted({b for b, _ in step}))
     if name == "engine":
         return "; ".join(f"b{r['batch']} {r['graphs']}/{r['overlap']}: {r['engine_step_ms']:.2f} ms, "
                          f"{r['floor_over_engine']:.2f} of floor" for r in data)

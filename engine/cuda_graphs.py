@@ -20,6 +20,7 @@ single rank (a collective inside a graph needs NCCL's graph support on every ran
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable, Sequence
 
@@ -311,8 +312,17 @@ def capture_graph(device: torch.device, pool, forward: Callable[[], tuple[torch.
             forward()
     current.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        outputs = forward()
+    # No garbage collection inside the capture: a dropped engine's graphs (reference cycles) freed there would
+    # fail it, for no graph may be destroyed while a stream captures (seen on an H100: a check building an engine
+    # right after dropping another hung after "operation not permitted when stream is capturing").
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = forward()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, outputs
 
 

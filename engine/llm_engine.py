@@ -269,8 +269,7 @@ class LLMEngine:
                                                 causal=site.causal, max_seq_len=self.max_model_len,
                                                 k_scale=site.kv.k_scale, v_scale=site.kv.v_scale)
                     for site in self.attention_sites()]
-        linears = triton_ops.precompile_linears(self.linear_weights(), self.model.dtype,
-                                                self.fused_linears() if triton_ops.FUSED_LAYERS else ())
+        linears = triton_ops.precompile_linears(self.linear_weights(), self.model.dtype, self.fused_linears())
         log.info("kernels ready: %d attention variants, %d linear variants in %.1f s", sum(map(len, launched)),
                  linears, time.perf_counter() - start)
         return launched
@@ -285,10 +284,9 @@ class LLMEngine:
 
     def fused_linears(self) -> list[tuple[torch.Tensor, dict]]:
         """The target's and the drafter's linears with the work a few-row step folds into them
-        (``engine.model.decoder_layers``), on one rank (none under TP)."""
-        if self.model.tp is not None:
-            return []
-        return fused_linears(self.model.layers) + (self.speculator.fused_linears() if self.speculator else [])
+        (``engine.model.fused_linears``)."""
+        return (fused_linears(self.model.layers, self.model.tp is not None)
+                + (self.speculator.fused_linears() if self.speculator else []))
 
     def enable_cuda_graphs(self, capture: bool = True, ragged: bool = True) -> None:
         """Decode and verification steps (rows of 1 or K + 1 tokens) and the drafter's blocks through CUDA graphs

@@ -162,7 +162,7 @@ def swiglu_mlp(x: torch.Tensor, w: DecoderLayerWeights, backend: str = "torch") 
     if backend == "triton":
         from engine import triton_ops
 
-        return linear(triton_ops.silu_mul(linear(x, w.gate_up, backend)), w.down, backend)
+        return linear(triton_ops.linear_swiglu(x, w.gate_up), w.down, backend)
     gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, w.down)
 
@@ -224,9 +224,15 @@ def decoder_layers(h: torch.Tensor, layers: Sequence[DecoderLayerWeights], atten
     return h, captured
 
 
-def fused_linears(layers: Sequence[DecoderLayerWeights]) -> list[tuple[torch.Tensor, dict]]:
-    """Each linear of ``layers`` with the fused work ``decoder_layers`` gives it (``skinny_linear``'s keywords,
-    ``residual=True`` for a residual add), for compiling before serving."""
+def fused_linears(layers: Sequence[DecoderLayerWeights], tp: bool) -> list[tuple[torch.Tensor, dict]]:
+    """Each linear of ``layers`` with the fused work ``decoder_layers`` gives it in a few-row step
+    (``skinny_linear``'s keywords, ``residual=True`` for a residual add), for compiling before serving: the
+    layers' norms, adds and SwiGLU with ``triton_ops.FUSED_LAYERS`` on one rank (``tp`` False), else gate_up's
+    SwiGLU epilogue (``swiglu_mlp``)."""
+    from engine import triton_ops
+
+    if not triton_ops.FUSED_LAYERS or tp:
+        return [(layer.gate_up, {"swiglu": True}) for layer in layers]
     return [use for layer in layers for use in ((layer.qkv, {"norm": layer.input_norm}), (layer.o, {"residual": True}),
                                                 (layer.gate_up, {"norm": layer.post_norm}),
                                                 (layer.down, {"silu": True, "residual": True}))]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.attention import FP8_DTYPE, FP8_MAX, AttentionMetadata
 
@@ -30,6 +31,36 @@ LOG2E = 1.4426950408889634
 RUNTIME_INTS = ["stride_bt", "num_q_heads", "num_splits", "splits_per_seq", "num_seqs"]
 METADATA_POINTERS = ["slot_mapping_ptr", "block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"]
 FP8_MAX_C = tl.constexpr(FP8_MAX)
+# Programmatic dependent launch (sm_90 and later): a step's kernels (these and ``engine.triton_ops``') are launched
+# while the kernel before them still runs. Each waits for that kernel to finish and its writes to be visible
+# (``griddepcontrol.wait``) before it reads or writes anything of the step's, then lets the next one launch; the
+# few-row linears first prefetch their leading weight tiles, which nothing writes. The gap between two kernels (the
+# launch, a grid's ramp) overlaps the kernel before, and the short kernels between the linears overlap a linear's
+# first weight reads. None: on wherever the GPU has it; False: off (benchmarks compare the two).
+PDL: bool | None = None
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch programmatically dependent (``PDL``)."""
+    if INTERPRET or device.type != "cuda" or torch.version.hip or PDL is False:
+        return False
+    return PDL or _capability(device) >= (9, 0)
+
+
+def _pdl_args(device: torch.device) -> dict:
+    """A launch's keywords for ``PDL``: the kernel's constexpr and the launch's attribute (none when off, for the
+    interpreter takes neither)."""
+    return {"PDL": True, "launch_pdl": True} if pdl(device) else {}
+
+
+@triton.jit
+def _await_previous_kernel(PDL: tl.constexpr):
+    """With ``PDL``: wait until the kernel before this one has finished and its writes are visible, then let the
+    next kernel launch. Every program calls it first, those that exit early too, so that this kernel never
+    finishes before the one it follows (the next kernel's wait covers both)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 # ----------------------------------------------------------------------------------------------------- store
@@ -81,9 +112,10 @@ def _store_kv_kernel(
     stride_kc_page, stride_kc_tok, stride_kc_head,
     stride_vc_page, stride_vc_tok, stride_vc_head,
     num_heads, head_dim,
-    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One program per token: copy its [H, D] key and value rows into their cache slot."""
+    _await_previous_kernel(PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -121,7 +153,7 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.
         PAGE_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4,
+        num_warps=4, **_pdl_args(key.device),
     )
 
 
@@ -226,11 +258,12 @@ def _varlen_attention_kernel(
     stride_bt, num_seqs,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, FLAT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, FLAT: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (q block, seq, kv head), or with ``FLAT`` (flat q block, kv head): BLOCK_Q query tokens x the GQA
     group's GROUP heads as BLOCK_M rows. A flat grid has T // BLOCK_Q + B programs per kv head whatever the
     rows' lengths (a CUDA graph of a ragged batch fixes only T and B); the other, max q blocks x B."""
+    _await_previous_kernel(PDL)
     if FLAT:
         seq, q_block = _find_seq(query_start_loc_ptr, tl.program_id(0), num_seqs, BLOCK_Q)
         kv_head = tl.program_id(1)
@@ -303,11 +336,12 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, PREFETCH_PAGES: tl.constexpr, MAX_SPLIT_TILES: tl.constexpr,
-    WIDEN_V: tl.constexpr,
+    WIDEN_V: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (seq, kv head, split): the sequence's queries (one when decoding, a short block when verifying
     drafts or drafting) x the GQA group against one split of its KV (``_seq_split``). ``PREFETCH_PAGES`` loads
     each tile's page ids one tile ahead, so that the K/V loads do not wait on them."""
+    _await_previous_kernel(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -373,11 +407,12 @@ def _decode_reduce_kernel(
     partial_out_ptr, partial_lse_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr,
     stride_o_t, stride_o_h, num_q_heads, num_splits, splits_per_seq,
     BLOCK_N: tl.constexpr, MAX_SPLIT_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (seq, q head, query of the seq): merge that query's split partials, weighting each by its share of
     the softmax mass. The partials are taken BLOCK_S at a time in a fixed order, so the sum depends on the
     sequence's own splits only, never on how many programs the launch had (a graph's or an eager step's)."""
+    _await_previous_kernel(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     token = tl.load(query_start_loc_ptr + seq) + tl.program_id(2)
@@ -443,7 +478,7 @@ def varlen_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
         meta.block_tables.stride(0), num_seqs,
         GROUP=group, CAUSAL=meta.causal, PAGE_SIZE=k_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), DOT_DTYPE=_dot_dtype(query, k_cache),
-        FLAT=flat, num_warps=num_warps, num_stages=num_stages,
+        FLAT=flat, num_warps=num_warps, num_stages=num_stages, **_pdl_args(query.device),
     )
     return out
 
@@ -490,13 +525,14 @@ def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
         MAX_SPLIT_TILES=max_split_tiles, WIDEN_V=(tiling.widen_v if widen_v is None else widen_v)
         and k_cache.dtype == FP8_DTYPE,
         num_warps=num_warps or tiling.num_warps, num_stages=num_stages or tiling.num_stages,
+        **_pdl_args(query.device),
     )
     if not single:
         _decode_reduce_kernel[(num_seqs, num_q_heads, meta.max_query_len)](
             partial_out, partial_lse, out, meta.query_start_loc, meta.seq_lens,
             out.stride(0), out.stride(1), num_q_heads, num_splits, splits_per_seq,
             BLOCK_N=block_n, MAX_SPLIT_TILES=max_split_tiles, HEAD_DIM=head_dim, BLOCK_S=REDUCE_BLOCK_S,
-            BLOCK_D=block_d, num_warps=4,
+            BLOCK_D=block_d, num_warps=4, **_pdl_args(query.device),
         )
     return out
 
@@ -663,6 +699,11 @@ def splits_per_sequence(num_seqs: int, num_kv_heads: int, device: torch.device,
     wanted = triton.cdiv(programs_per_multiprocessor * _multiprocessor_count(device),
                          graph_batch(num_seqs) * num_kv_heads)
     return triton.next_power_of_2(wanted)
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 @functools.cache

@@ -8,9 +8,12 @@ few microseconds of an idle GPU between tiny kernels):
   rotate-half RoPE at the token's position, written to q and k (v stays a view of qkv), or k and v straight into
   the token's cache slot (the K/V store).
 - ``silu_mul``: SwiGLU's ``silu(gate) * up`` over the fused gate_up projection.
-- ``skinny_linear``: the linears of a step of few rows, streaming the weight once; it can take the layer's norm
-  (before qkv and gate_up), SwiGLU (before down) and residual add (after o and down) with it, so a few-row step's
-  layer launches 6 kernels (``engine.model.decoder_layers``).
+- ``skinny_linear``: the linears of a step of few rows, streaming the weight once; it takes SwiGLU in gate_up's
+  epilogue (``linear_swiglu``, always), and can take the layer's norm (before qkv and gate_up), SwiGLU (before
+  down) and residual add (after o and down) with it, so a few-row step's layer launches 6 kernels
+  (``engine.model.decoder_layers``, ``FUSED_LAYERS``).
+
+On sm_90 and later they, like ``engine.triton_attention``'s, launch programmatically dependent (``PDL`` there).
 
 Numerics follow the torch reference (``engine.model``) in float32 and round to the activation dtype where it
 does after the norm; RoPE and SwiGLU round once instead of after every op (bf16 results within one ulp). The
@@ -24,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.triton_attention import INTERPRET, _round_to_bf16_grid, _store_rounded
+from engine.triton_attention import INTERPRET, _await_previous_kernel, _pdl_args, _round_to_bf16_grid, _store_rounded
 
 _ROUNDING = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -48,7 +51,9 @@ def _round(x, ROUND: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, x_stride, res_stride, out_stride, sum_stride,
-                     n, eps, HAS_RESIDUAL: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr):
+                     n, eps, HAS_RESIDUAL: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    _await_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -82,7 +87,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             rows.stride(0), res.stride(0) if residual is not None else 0, out.stride(0),
             total.stride(0) if total is not None else 0, n, float(eps),
             HAS_RESIDUAL=residual is not None, ROUND=_rounding(x.dtype), BLOCK=triton.next_power_of_2(n),
-            num_warps=8 if n >= 2048 else 4)
+            num_warps=8 if n >= 2048 else 4, **_pdl_args(x.device))
     return out.view(x.shape), None if total is None else total.view(x.shape)
 
 
@@ -92,7 +97,8 @@ def _qk_norm_rope_kernel(qkv_ptr, q_ptr, k_ptr, q_norm_ptr, k_norm_ptr, cos_ptr,
                          qkv_stride, q_stride, k_stride, cos_stride, stride_kc_page, stride_kc_tok, stride_kc_head,
                          stride_vc_page, stride_vc_tok, stride_vc_head, eps,
                          NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         PAGE_SIZE: tl.constexpr, STORE: tl.constexpr, ROUND: tl.constexpr):
+                         PAGE_SIZE: tl.constexpr, STORE: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr = False):
+    _await_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -185,12 +191,15 @@ def qk_norm_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim:
             cos.stride(0), *(k_cache.stride()[:3] if store else (0, 0, 0)),
             *(v_cache.stride()[:3] if store else (0, 0, 0)), float(eps), NUM_Q_HEADS=num_heads,
             NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1] if store else 1,
-            STORE=store is not None, ROUND=_rounding(qkv.dtype), num_warps=1 if head_dim <= 128 else 2)
+            STORE=store is not None, ROUND=_rounding(qkv.dtype), num_warps=1 if head_dim <= 128 else 2,
+            **_pdl_args(qkv.device))
     return q, k, v
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, n, ROUND: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, n, ROUND: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    _await_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -210,7 +219,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(triton.next_power_of_2(n), 1024)
     if rows.shape[0]:
         _silu_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](
-            rows, out, rows.stride(0), out.stride(0), n, ROUND=_rounding(gate_up.dtype), BLOCK=block, num_warps=4)
+            rows, out, rows.stride(0), out.stride(0), n, ROUND=_rounding(gate_up.dtype), BLOCK=block, num_warps=4,
+            **_pdl_args(gate_up.device))
     return out.view(*gate_up.shape[:-1], n)
 
 
@@ -227,21 +237,47 @@ SKINNY_MAX_ROWS = 16
 # prologue making down_proj ~8x slower and the norm prologue gate_up ~2.3x (benchmarks/README.md).
 FUSED_LAYERS = False
 SKINNY_BLOCK_K = 128
+# Under programmatic dependent launch (``engine.triton_attention.PDL``) a few-row linear prefetches this many K
+# tiles of its weight rows before it waits for the kernel before it (rounded down to a power of two columns); 0
+# prefetches nothing.
+PREFETCH_STAGES = 4
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Each pointer's 128-byte line on its way into L2 (nothing waits for it)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _dot_acc(acc, x, w, DOT_FP32: tl.constexpr):
+    """acc + x @ w.T"""
+    if DOT_FP32:       # the interpreter's tl.dot multiplies bf16 bit patterns as integers
+        return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    return acc + tl.dot(x, tl.trans(w))
 
 
 @triton.jit(do_not_specialize=["M"])
 def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, g_ptr, res_ptr, M, N, K, x_stride, w_stride, out_stride, res_stride,
                           eps, PROLOGUE: tl.constexpr, RESIDUAL: tl.constexpr, ROUND: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+                          PDL: tl.constexpr = False, PREFETCH_K: tl.constexpr = 0, SWIGLU: tl.constexpr = False):
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PDL and PREFETCH_K > 0:
+        # The weight's first PREFETCH_K columns of this program's rows (nothing writes them) head for L2 while the
+        # kernel before this one ends; the pipeline's first loads then find them there.
+        lines = tl.arange(0, PREFETCH_K // 64) * 64        # a 128-byte line holds 64 16-bit weights
+        _prefetch_l2(w_ptr + tl.minimum(cols, N - 1)[:, None].to(tl.int64) * w_stride + lines[None, :])
+    _await_previous_kernel(PDL)
     ks = tl.arange(0, BLOCK_K)
     # Masks vary by row only (K is a multiple of BLOCK_K), so the weight tiles load as wide vectors.
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * x_stride + ks[None, :]
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * w_stride + ks[None, :]
     row_mask = rows[:, None] < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    up_acc = tl.zeros((BLOCK_M, BLOCK_N) if SWIGLU else (1, 1), tl.float32)   # SWIGLU: up's rows, N below gate's
     squares = tl.zeros((BLOCK_M,), tl.float32)
     for k in range(0, K, BLOCK_K):
         if PROLOGUE == "norm":     # x is the residual stream: RMSNorm's weight now, its 1/rms once the sum is done
@@ -255,15 +291,16 @@ def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, g_ptr, res_ptr, M, N, K, x_stri
         else:
             x = tl.load(x_ptrs, mask=row_mask, other=0.0)
         w = tl.load(w_ptrs, mask=cols[:, None] < N, other=0.0)
-        if DOT_FP32:       # the interpreter's tl.dot multiplies bf16 bit patterns as integers
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
+        acc = _dot_acc(acc, x, w, DOT_FP32)
+        if SWIGLU:
+            up_acc = _dot_acc(up_acc, x, tl.load(w_ptrs + N * w_stride, mask=cols[:, None] < N, other=0.0), DOT_FP32)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if PROLOGUE == "norm":
         acc = acc * tl.rsqrt(squares / K + eps)[:, None]
     out = _round(acc, ROUND)
+    if SWIGLU:                 # SwiGLU of the rounded gate and up, as silu_mul takes them from the gate_up product
+        out = _round(out / (1.0 + tl.exp(-out)) * _round(up_acc, ROUND), ROUND)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     if RESIDUAL:               # the residual stream's add, rounded as torch's add of the rounded product
         out = _round(out + tl.load(res_ptr + rows[:, None].to(tl.int64) * res_stride + cols[None, :], mask=mask,
@@ -278,15 +315,17 @@ def skinny_fits(rows: int, weight: torch.Tensor, x_dtype: torch.dtype) -> bool:
             and weight.shape[1] % SKINNY_BLOCK_K == 0)
 
 
-def _skinny_tiles(n: int, k: int, device: torch.device, x_tiles: int = 1) -> tuple[int, int, int]:
+def _skinny_tiles(n: int, k: int, device: torch.device, x_tiles: int = 1, swiglu: bool = False
+                  ) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, stages), from a sweep on an H100 and an H200 (benchmarks/README.md): weights of 16k+
     rows take 64-column tiles 3 deep, others 32 columns 6 deep, 256 wide along a long K (one program per
     multiprocessor at 4096 columns); as many stages as the device's shared memory holds, each holding the weight's
-    tile and ``x_tiles`` input tiles (2 for SwiGLU's gate and up)."""
-    block_n, stages = (64, 3) if n >= 16384 else (32, 6)
+    tile and ``x_tiles`` input tiles (2 for SwiGLU's gate and up). With the SwiGLU epilogue (``swiglu``) a
+    program's weight tile is BLOCK_N rows of gate and as many of up: half the output columns, the same bytes."""
+    rows, stages = (64, 3) if n >= 16384 else (32, 6)
     block_k = 256 if k >= 8192 and k % 256 == 0 else SKINNY_BLOCK_K
-    stage_bytes = (16 * x_tiles + block_n) * block_k * 2
-    return block_n, block_k, max(2, min(stages, (_shared_memory(device) - 8192) // stage_bytes))
+    stage_bytes = (16 * x_tiles + rows) * block_k * 2
+    return rows // 2 if swiglu else rows, block_k, max(2, min(stages, (_shared_memory(device) - 8192) // stage_bytes))
 
 
 _SHARED_MEMORY: dict[int, int] = {}
@@ -301,7 +340,7 @@ def _shared_memory(device: torch.device) -> int:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int] | None = None, *,
-                  norm: torch.Tensor | None = None, eps: float = 0.0, silu: bool = False,
+                  norm: torch.Tensor | None = None, eps: float = 0.0, silu: bool = False, swiglu: bool = False,
                   residual: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T`` through the few-row kernel (``x`` ``[..., K]``, at most ``SKINNY_MAX_ROWS`` rows;
     ``weight`` ``[N, K]`` with K a multiple of ``SKINNY_BLOCK_K``), fp32 accumulation rounded once to x's dtype.
@@ -311,10 +350,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, 
       stream; the weight applies to each K tile, the 1/rms to the sums, so x is read once;
     - ``silu``: x is the fused gate_up ``[..., 2 K]`` and the product is of ``silu(gate) * up``, rounded as
       ``silu_mul`` rounds it;
-    - ``residual`` (``[..., N]``): the rounded product plus it, rounded as the residual stream's add rounds.
+    - ``swiglu``: the weight is the fused gate_up ``[2 I, K]`` and the result ``silu(gate) * up`` ``[..., I]``
+      (``silu_mul`` of the product, to the bit): each program multiplies by its columns' gate and up rows;
+    - ``residual`` (``[..., N]``, ``[..., I]`` with ``swiglu``): the rounded result plus it, rounded as the
+      residual stream's add rounds.
 
     ``tiles`` (BLOCK_N, BLOCK_K, stages) overrides ``_skinny_tiles`` (tests on CPU)."""
     n, k = weight.shape
+    if swiglu and n % 2:
+        raise ValueError(f"swiglu takes a gate_up weight of 2 I rows, got {n}")
+    n = n // 2 if swiglu else n
     width = 2 * k if silu else k
     rows = x.reshape(-1, width)
     if (rows.stride(-1) != 1 or weight.stride(-1) != 1 or k % SKINNY_BLOCK_K or rows.shape[0] > SKINNY_MAX_ROWS
@@ -333,15 +378,19 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, 
                              f"{tuple(residual.shape)} strides {residual.stride()}")
     out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
     if rows.shape[0]:
-        block_n, block_k, stages = tiles or _skinny_tiles(n, k, x.device, 2 if silu else 1)
+        block_n, block_k, stages = tiles or _skinny_tiles(weight.shape[0], k, x.device, 2 if silu else 1, swiglu)
         if k % block_k:
             raise ValueError(f"K {k} is not a multiple of the K tile {block_k}")
+        launch = _pdl_args(x.device)
+        if launch and PREFETCH_STAGES:      # a power of two columns, at least one K tile
+            launch["PREFETCH_K"] = 1 << (min(k, PREFETCH_STAGES * block_k).bit_length() - 1)
         _skinny_linear_kernel[(triton.cdiv(n, block_n),)](
             rows, weight, out, norm if norm is not None else weight, res if res is not None else out,
             rows.shape[0], n, k, rows.stride(0), weight.stride(0), out.stride(0), res.stride(0) if res is not None
             else 0, float(eps), PROLOGUE="norm" if norm is not None else "silu" if silu else "none",
             RESIDUAL=res is not None, ROUND=_rounding(x.dtype), BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
-            DOT_FP32=INTERPRET and x.dtype == torch.bfloat16, num_stages=stages, num_warps=4)
+            DOT_FP32=INTERPRET and x.dtype == torch.bfloat16, SWIGLU=swiglu, num_stages=stages, num_warps=4,
+            **launch)
     return out.view(*x.shape[:-1], n)
 
 
@@ -350,6 +399,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if skinny_fits(x.numel() // x.shape[-1] if x.shape[-1] else 0, weight, x.dtype) and x.stride(-1) == 1:
         return skinny_linear(x, weight)
     return torch.nn.functional.linear(x, weight)
+
+
+def linear_swiglu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu_mul(F.linear(x, gate_up))``, through the few-row kernel's SwiGLU epilogue where it applies: one kernel
+    instead of two, and no gate_up product in memory."""
+    if skinny_fits(x.numel() // x.shape[-1] if x.shape[-1] else 0, gate_up, x.dtype) and x.stride(-1) == 1:
+        return skinny_linear(x, gate_up, swiglu=True)
+    return silu_mul(torch.nn.functional.linear(x, gate_up))
 
 
 def precompile_linears(weights, dtype: torch.dtype, fused=()) -> int:
@@ -363,6 +420,9 @@ def precompile_linears(weights, dtype: torch.dtype, fused=()) -> int:
             launched.add(key)
             n, k = weight.shape
             x = torch.zeros(1, 2 * k if kw.get("silu") else k, dtype=dtype, device=weight.device)
+            out_n = n // 2 if kw.get("swiglu") else n
             skinny_linear(x, weight, norm=kw.get("norm"), eps=1e-6, silu=kw.get("silu", False),
-                          residual=torch.zeros(1, n, dtype=dtype, device=weight.device) if kw.get("residual") else None)
+                          swiglu=kw.get("swiglu", False),
+                          residual=torch.zeros(1, out_n, dtype=dtype, device=weight.device) if kw.get("residual")
+                          else None)
     return len(launched)

@@ -74,7 +74,7 @@ class DFlashSpeculator:
 
     def fused_linears(self) -> list[tuple[torch.Tensor, dict]]:
         """The draft layers' linears with the work a few-row block folds into them."""
-        return [] if self.drafter.tp is not None else fused_linears(self.drafter.layers)
+        return fused_linears(self.drafter.layers, self.drafter.tp is not None)
 
     def enable_graphs(self, max_batch: int, max_pages: int, capture: bool, max_tokens: int | None
                       ) -> list[StepGraphs | RaggedGraphs]:

@@ -26,6 +26,8 @@ LINEARS = {f"{prologue}{'+residual' if residual else ''}": (
          DOT_FP32=False), stages)
     for prologue, residual, block_n, block_k, stages in [("none", False, 64, 128, 3), ("norm", False, 64, 128, 3),
                                                          ("none", True, 32, 128, 6), ("silu", True, 32, 256, 6)]}
+LINEARS["none swiglu"] = (LINEARS["none"][0], LINEARS["none"][1], {**LINEARS["none"][2], "BLOCK_N": 32, "SWIGLU": True},
+                          3)       # gate_up with SwiGLU in its epilogue: 32 columns, 64 weight rows
 QK_TYPES = {**{p: "*bf16" for p in ("qkv_ptr", "q_ptr", "k_ptr", "q_norm_ptr", "k_norm_ptr", "cos_ptr", "sin_ptr")},
             "pos_ptr": "*i64", "slot_ptr": "*i64", "k_scale": "fp32", "v_scale": "fp32", "eps": "fp32"}
 QK_NORM_ROPE = {f"{cache} store={store}": (
@@ -45,6 +47,21 @@ DECODE = {f"decode {cache}{' widened' if widen else ''}": (
                                                  ("fp8e4nv", 128, "fp16", True, True),
                                                  ("bf16", 64, "bf16", False, False))}
 
+# Each kernel of a few-row step compiled to launch programmatically dependent (``triton_attention.PDL``).
+NORM_TYPES = {**{p: "*bf16" for p in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "sum_ptr")}, "eps": "fp32"}
+PDL_VARIANTS = {f"{name} pdl": (kernel, types, {**constexprs, "PDL": True}, stages)
+                for name, (kernel, types, constexprs, stages) in {
+    "linear": (*LINEARS["none+residual"][:2], {**LINEARS["none+residual"][2], "PREFETCH_K": 512}, 6),
+    "qk_norm_rope": QK_NORM_ROPE["fp8e4nv store=True"],
+    "decode": DECODE["decode fp8e4nv"],
+    "reduce": ("triton_attention._decode_reduce_kernel",
+               {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "out_ptr": "*bf16",
+                "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32"},
+               dict(BLOCK_N=128, MAX_SPLIT_TILES=16, HEAD_DIM=128, BLOCK_S=16, BLOCK_D=128), 1),
+    "rms_norm": ("_rms_norm_kernel", NORM_TYPES, dict(HAS_RESIDUAL=True, ROUND="bf16", BLOCK=4096), 1),
+    "silu_mul": ("_silu_mul_kernel", {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(ROUND="bf16", BLOCK=1024), 1),
+}.items()}
+
 
 def _compile_all(variants: dict) -> dict:
     """Run in a fresh process without the interpreter: each variant's shared memory and PTX."""
@@ -55,6 +72,8 @@ def _compile_all(variants: dict) -> dict:
     for name, (kernel, types, constexprs, stages) in variants.items():
         module, _, kernel = kernel.rpartition(".")
         fn = getattr(importlib.import_module(f"engine.{module or 'triton_ops'}"), kernel)
+        # Constexprs left out take their defaults, as in a call.
+        constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
         signature = {arg: types.get(arg, "constexpr" if arg in constexprs else "i32") for arg in fn.arg_names}
         # What the kernel declares unspecialised stays so (sizes that vary by step, metadata slices' pointers).
         plain = {fn.arg_names[i] if isinstance(i, int) else i
@@ -70,8 +89,9 @@ def _compile_all(variants: dict) -> dict:
 @pytest.fixture(scope="module")
 def codegen():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = ("import json, sys; from tests.test_kernel_codegen import DECODE, LINEARS, QK_NORM_ROPE, _compile_all; "
-              "json.dump(_compile_all({**LINEARS, **QK_NORM_ROPE, **DECODE}), sys.stdout)")
+    script = ("import json, sys; from tests.test_kernel_codegen import DECODE, LINEARS, PDL_VARIANTS, QK_NORM_ROPE, "
+              "_compile_all; json.dump(_compile_all({**LINEARS, **QK_NORM_ROPE, **DECODE, **PDL_VARIANTS}), "
+              "sys.stdout)")
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -83,15 +103,16 @@ def test_each_few_row_linear_variant_compiles_with_its_weight_tiles_pipelined(co
     """qkv / gate_up (the norm folded in), o (the residual add), down (SwiGLU and the add) and the plain product
     compile for sm_90 with the tiles of an 8B-shaped step: tiles loaded by cp.async into several stages of shared
     memory (the weight streams while earlier tiles multiply), products on the tensor cores, and each folded op
-    present only where it is folded in."""
+    present only where it is folded in; gate_up with SwiGLU in its epilogue stages its gate and up tiles together."""
     _, _, constexprs, _ = LINEARS[name]
     ptx, shared = codegen[name]["ptx"], codegen[name]["shared"]
     x_tiles = 2 if constexprs["PROLOGUE"] == "silu" else 1
-    stage_bytes = (16 * x_tiles + constexprs["BLOCK_N"]) * constexprs["BLOCK_K"] * 2
+    swiglu = constexprs.get("SWIGLU", False)
+    stage_bytes = (16 * x_tiles + constexprs["BLOCK_N"] * (2 if swiglu else 1)) * constexprs["BLOCK_K"] * 2
     assert re.search(r"cp\.async\.(cg|ca)", ptx)
     assert shared >= 2 * stage_bytes, (shared, stage_bytes)
     assert re.search(r"mma\.sync|wgmma", ptx)
-    assert ("ex2.approx" in ptx) == (constexprs["PROLOGUE"] == "silu")
+    assert ("ex2.approx" in ptx) == (constexprs["PROLOGUE"] == "silu" or swiglu)
     assert ("rsqrt" in ptx) == (constexprs["PROLOGUE"] == "norm")
 
 
@@ -127,3 +148,20 @@ def test_fp8_v_widened_as_it_arrives_reaches_the_tensor_cores_without_byte_wide_
     assert re.search(byte_loads, at_product) and not re.search(transposed, at_product)
     assert re.search(transposed, widened) and not re.search(byte_loads, widened)
 
+
+
+@pytest.mark.parametrize("name", list(PDL_VARIANTS))
+def test_a_kernel_launched_dependent_waits_for_the_one_before_it_ahead_of_any_memory_access(codegen, name):
+    """Launched programmatically dependent (``triton_attention.PDL``), a kernel starts while the one before it
+    still runs: each compiled variant waits for it (``griddepcontrol.wait``) before its first global load, store or
+    cp.async, then lets the next kernel launch. The few-row linear prefetches its leading weight lines into L2
+    before it waits, and only those. Compiled without PDL, no kernel has either."""
+    ptx = codegen[name]["ptx"]
+    body = ptx[ptx.index("{", ptx.index(".entry")):]
+    wait, launch = body.find("griddepcontrol.wait"), body.find("griddepcontrol.launch_dependents")
+    first_access = re.search(r"\b(ld|st|atom|red)\.global|cp\.async", body)
+    assert 0 <= wait < launch and first_access and wait < first_access.start(), (wait, launch, first_access)
+    prefetches = [m.start() for m in re.finditer(r"prefetch\.global\.L2", body)]
+    assert bool(prefetches) == name.startswith("linear") and all(at < wait for at in prefetches)
+    for plain in ("none+residual", "fp8e4nv store=True", "decode fp8e4nv"):
+        assert "griddepcontrol" not in codegen[plain]["ptx"] and "prefetch.global" not in codegen[plain]["ptx"]

@@ -161,6 +161,27 @@ def test_the_few_row_linear_folds_in_the_norm_the_swiglu_and_the_residual_add(dt
                            ops().skinny_linear(swiglu, weight, tiles) + residual)
 
 
+@pytest.mark.parametrize("tiles", SKINNY_TILES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_few_row_linear_takes_swiglu_in_its_epilogue(dtype, tiles):
+    """``swiglu``: each program multiplies x by its columns' gate rows and the matching up rows of the fused
+    gate_up weight (I rows below) and returns ``silu(gate) * up``: ``silu_mul`` of the plain product, to the bit,
+    with the residual add after it as the stream's add rounds; ``linear_swiglu`` gives the same wherever it runs."""
+    g = torch.Generator().manual_seed(6)
+    inter, k = 100, 512
+    gate_up = (torch.randn(2 * inter, k, generator=g) / 16).to(dtype).to(DEVICE)
+    for rows in (1, 5, 16):
+        x = (2 * torch.randn(rows, k, generator=g)).to(dtype).to(DEVICE)
+        residual = torch.randn(rows, inter, generator=g).to(dtype).to(DEVICE)
+        want = ops().silu_mul(ops().skinny_linear(x, gate_up, tiles))
+        got = ops().skinny_linear(x, gate_up, tiles, swiglu=True)
+        assert got.shape == (rows, inter) and torch.equal(got, want)
+        assert torch.equal(ops().skinny_linear(x, gate_up, tiles, swiglu=True, residual=residual), want + residual)
+        assert torch.equal(ops().linear_swiglu(x, gate_up), ops().silu_mul(ops().linear(x, gate_up)))
+    with pytest.raises(ValueError, match="gate_up weight of 2 I rows"):
+        ops().skinny_linear(x, gate_up[1:], tiles, swiglu=True)
+
+
 def test_linear_takes_the_few_row_kernel_only_where_it_applies():
     """On a GPU: half-precision rows up to SKINNY_MAX_ROWS with K a multiple of the K tile; everything else (and
     anything on the CPU) is torch's own product, to the bit."""
@@ -183,9 +204,8 @@ def test_linear_takes_the_few_row_kernel_only_where_it_applies():
 
 def test_the_precompiled_linears_are_every_weight_a_spec_step_multiplies_by(monkeypatch):
     """``LLMEngine.linear_weights`` (what start-up compiles the few-row kernel for) holds every weight the target's
-    and the drafter's forwards pass to ``triton_ops.linear``: one missed would compile inside a step while serving."""
-    llm = SpecLLM(str(DEMO / "target"), draft=str(DEMO / "drafter"), device=DEVICE, page_size=16,
-                  attention_backend="triton")
+    and the drafter's forwards pass to ``triton_ops.linear``: one missed would compile inside a step while serving.
+    Recorded from the engine's start, which on a GPU captures the steps' graphs (their linears run only then)."""
     seen = set()
     linear = ops().linear
 
@@ -194,6 +214,8 @@ def test_the_precompiled_linears_are_every_weight_a_spec_step_multiplies_by(monk
         return linear(x, weight)
 
     monkeypatch.setattr(ops(), "linear", recording)
+    llm = SpecLLM(str(DEMO / "target"), draft=str(DEMO / "drafter"), device=DEVICE, page_size=16,
+                  attention_backend="triton")
     out = llm.generate(["import os\nimport sys\n"], SamplingParams(max_tokens=12, ignore_eos=True))[0]
     assert len(out.acceptance_lengths) > 1                 # drafted and verified, not only prefilled
     covered = {(w.data_ptr(), tuple(w.shape), w.stride()) for w in llm.engine.linear_weights()}
@@ -257,8 +279,9 @@ def test_few_row_steps_fold_the_layers_elementwise_work_into_their_linears(monke
     device too: a step of few rows (decode,
     verification, drafter blocks) runs each layer, the target's and the drafter's, as 4 linears that norm the
     residual stream, add to it and take SwiGLU as they read and write it. Its per-step acceptance and tokens equal
-    those of the same engine with the norm, add and SwiGLU kernels of their own; each fused variant it launched is
-    one that start-up compiles (``LLMEngine.fused_linears``)."""
+    those of the same engine with the norm and add kernels of their own and SwiGLU in gate_up's epilogue (the
+    default), which folds nothing else; each fused variant either launched is one that start-up compiles
+    (``LLMEngine.fused_linears``)."""
     def fits_here(rows, weight, dtype):         # skinny_fits without its GPU check
         return (1 <= rows <= ops().SKINNY_MAX_ROWS and dtype == weight.dtype == torch.float16 and weight.dim() == 2
                 and weight.stride(-1) == 1 and weight.shape[1] % ops().SKINNY_BLOCK_K == 0)
@@ -268,31 +291,33 @@ def test_few_row_steps_fold_the_layers_elementwise_work_into_their_linears(monke
     fused_calls = []
 
     def recording(x, weight, tiles=None, **kw):
-        if kw:
-            fused_calls.append((weight.data_ptr(), tuple(weight.shape), tuple(sorted(set(kw) - {"eps"}))))
+        folded = {name for name, value in kw.items() if name != "eps" and value is not None and value is not False}
+        if folded:       # (start-up's warm-up passes every keyword, None or False where nothing folds)
+            fused_calls.append((weight.data_ptr(), tuple(weight.shape), tuple(sorted(folded))))
         if tiles is None and DEVICE == "cpu":     # wide tiles: the interpreter's time goes by programs
             tiles = (128, 256 if weight.shape[1] % 256 == 0 else 128, 2)
         return skinny(x, weight, tiles, **kw)
 
     monkeypatch.setattr(ops(), "skinny_linear", recording)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    got, n_fused = {}, 0
+    got = {}
     for fused in (True, False):
         monkeypatch.setattr(ops(), "FUSED_LAYERS", fused)
         llm = SpecLLM(str(DEMO / "target"), draft=str(DEMO / "drafter"), device=DEVICE, page_size=16,
                       attention_backend="triton", dtype="float16")
         out = llm.generate(["import os\nimport sys\n"], params)[0]
         got[fused] = (out.token_ids, out.acceptance_lengths)
-        if fused:
-            covered = {(w.data_ptr(), tuple(w.shape), tuple(sorted(kw))) for w, kw in llm.engine.fused_linears()}
-            target, drafter = llm.engine.model.layers, llm.engine.speculator.drafter.layers
-        else:
-            assert not fused_calls[n_fused:]            # nothing folded with the switch off
-        n_fused = len(fused_calls)
+        seen = set(fused_calls)
+        fused_calls.clear()
+        covered = {(w.data_ptr(), tuple(w.shape), tuple(sorted(kw))) for w, kw in llm.engine.fused_linears()}
+        assert seen and seen <= covered, seen - covered
+        for layers in (llm.engine.model.layers, llm.engine.speculator.drafter.layers):
+            if fused:
+                assert (layers[0].qkv.data_ptr(), tuple(layers[0].qkv.shape), ("norm",)) in seen
+                assert (layers[-1].down.data_ptr(), tuple(layers[-1].down.shape), ("residual", "silu")) in seen
+            else:         # only gate_up's SwiGLU epilogue
+                assert (layers[-1].gate_up.data_ptr(), tuple(layers[-1].gate_up.shape), ("swiglu",)) in seen
+        if not fused:
+            assert {kw for _, _, kw in seen} == {("swiglu",)}
     assert got[True] == got[False]
     assert max(got[True][1]) > 2                 # drafts were accepted: drafting went through the fused layers too
-    seen = set(fused_calls)
-    assert seen and seen <= covered, seen - covered
-    for layers in (target, drafter):
-        assert (layers[0].qkv.data_ptr(), tuple(layers[0].qkv.shape), ("norm",)) in seen
-        assert (layers[-1].down.data_ptr(), tuple(layers[-1].down.shape), ("residual", "silu")) in seen
