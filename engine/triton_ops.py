@@ -269,7 +269,10 @@ def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, g_ptr, res_ptr, M, N, K, x_stri
         # The weight's first PREFETCH_K columns of this program's rows (nothing writes them) head for L2 while the
         # kernel before this one ends; the pipeline's first loads then find them there.
         lines = tl.arange(0, PREFETCH_K // 64) * 64        # a 128-byte line holds 64 16-bit weights
-        _prefetch_l2(w_ptr + tl.minimum(cols, N - 1)[:, None].to(tl.int64) * w_stride + lines[None, :])
+        ahead = w_ptr + tl.minimum(cols, N - 1)[:, None].to(tl.int64) * w_stride + lines[None, :]
+        _prefetch_l2(ahead)
+        if SWIGLU:
+            _prefetch_l2(ahead + N * w_stride)                # and the matching up rows
     _await_previous_kernel(PDL)
     ks = tl.arange(0, BLOCK_K)
     # Masks vary by row only (K is a multiple of BLOCK_K), so the weight tiles load as wide vectors.

@@ -52,6 +52,7 @@ NORM_TYPES = {**{p: "*bf16" for p in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "s
 PDL_VARIANTS = {f"{name} pdl": (kernel, types, {**constexprs, "PDL": True}, stages)
                 for name, (kernel, types, constexprs, stages) in {
     "linear": (*LINEARS["none+residual"][:2], {**LINEARS["none+residual"][2], "PREFETCH_K": 512}, 6),
+    "linear swiglu": (*LINEARS["none swiglu"][:2], {**LINEARS["none swiglu"][2], "PREFETCH_K": 512}, 3),
     "qk_norm_rope": QK_NORM_ROPE["fp8e4nv store=True"],
     "decode": DECODE["decode fp8e4nv"],
     "reduce": ("triton_attention._decode_reduce_kernel",
@@ -155,7 +156,8 @@ def test_a_kernel_launched_dependent_waits_for_the_one_before_it_ahead_of_any_me
     """Launched programmatically dependent (``triton_attention.PDL``), a kernel starts while the one before it
     still runs: each compiled variant waits for it (``griddepcontrol.wait``) before its first global load, store or
     cp.async, then lets the next kernel launch. The few-row linear prefetches its leading weight lines into L2
-    before it waits, and only those. Compiled without PDL, no kernel has either."""
+    before it waits, and only those (gate's and up's rows with SwiGLU in its epilogue). Compiled without PDL, no
+    kernel has either."""
     ptx = codegen[name]["ptx"]
     body = ptx[ptx.index("{", ptx.index(".entry")):]
     wait, launch = body.find("griddepcontrol.wait"), body.find("griddepcontrol.launch_dependents")
@@ -163,5 +165,9 @@ def test_a_kernel_launched_dependent_waits_for_the_one_before_it_ahead_of_any_me
     assert 0 <= wait < launch and first_access and wait < first_access.start(), (wait, launch, first_access)
     prefetches = [m.start() for m in re.finditer(r"prefetch\.global\.L2", body)]
     assert bool(prefetches) == name.startswith("linear") and all(at < wait for at in prefetches)
+    if prefetches:             # a line per 64 weights of each row (gate's and up's with SwiGLU), over 128 threads
+        constexprs = PDL_VARIANTS[name][2]
+        lines = constexprs["BLOCK_N"] * constexprs["PREFETCH_K"] // 64 * (2 if constexprs.get("SWIGLU") else 1)
+        assert len(prefetches) == lines // 128, (len(prefetches), lines)
     for plain in ("none+residual", "fp8e4nv store=True", "decode fp8e4nv"):
         assert "griddepcontrol" not in codegen[plain]["ptx"] and "prefetch.global" not in codegen[plain]["ptx"]
