@@ -218,11 +218,34 @@ def triton_dispatch(attention):
     return fn
 
 
+def import_baseline(path):
+    """Another tree's engine/triton_attention.py (e.g. ``git archive <commit> | tar -x -C .old``), timed beside this
+    one's kernels case by case in one run (``--baseline``). It uses this tree's engine.attention."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("baseline_triton_attention",
+                                                  Path(path) / "engine" / "triton_attention.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def side_by_side(bench, fn, base_fn, rounds=2):
+    """(ms of fn, ms of base_fn): graph replays taking turns, the faster of each's rounds (None: no baseline)."""
+    times, base_times = [], []
+    for _ in range(rounds if base_fn else 1):
+        times.append(bench.graph_ms(fn))
+        if base_fn:
+            base_times.append(bench.graph_ms(base_fn))
+    return min(times), (min(base_times) if base_fn else None)
+
+
 def dtype_name(attention, dtype):
     return "fp8" if dtype == attention.FP8_DTYPE else str(dtype).removeprefix("torch.").replace("bfloat16", "bf16")
 
 
-def check_decode(attention, ta, shapes, bench, bandwidth, device, torch, rows, tol):
+def check_decode(attention, ta, shapes, bench, bandwidth, device, torch, rows, tol, base=None):
     rng = torch.Generator().manual_seed(1)
     runs = [(shapes.page_sizes[0], shapes.decode_batches)]
     runs += [(page_size, shapes.other_page_decode_batches) for page_size in shapes.page_sizes[1:]]
@@ -239,20 +262,28 @@ def check_decode(attention, ta, shapes, bench, bandwidth, device, torch, rows, t
                     err = rel_err(torch, out, ref)
                     ok = err < tol and not out.isnan().any().item()
                     per = case.layers
-                    t_triton = bench.graph_ms(case.all_layers(triton_dispatch(attention))) / per
+                    row = {}
+                    if base:
+                        row["same_as_base"] = bool((case.run(base.decode_attention) == case.run(ta.decode_attention))
+                                                   .all().item())
+                    t_triton, t_base = side_by_side(bench, case.all_layers(ta.decode_attention),
+                                                    base and case.all_layers(base.decode_attention))
+                    t_triton /= per
+                    if base:
+                        row["base_us"] = t_base / per * 1e3
                     t_varlen = bench.graph_ms(case.all_layers(ta.varlen_attention)) / per
                     case.meta.backend = "torch"
                     t_torch = bench.eager_ms(lambda: reference(attention, case))
                     nbytes = case.kv_bytes() + case.query.numel() * case.query.element_size()
                     rows.append(dict(case=label, ok=ok, err=err, us=t_triton * 1e3, mb=nbytes / 1e6,
                                      floor_us=nbytes / bandwidth * 1e6, varlen_us=t_varlen * 1e3,
-                                     torch_us=t_torch * 1e3, gbs=nbytes / (t_triton * 1e-3) / 1e9))
+                                     torch_us=t_torch * 1e3, gbs=nbytes / (t_triton * 1e-3) / 1e9, **row))
                 except Exception:
                     traceback.print_exc()
                     rows.append(dict(case=label, ok=False, err=float("nan")))
 
 
-def check_prefill(attention, ta, shapes, bench, device, torch, rows, tol):
+def check_prefill(attention, ta, shapes, bench, device, torch, rows, tol, base=None):
     for page_size in shapes.page_sizes:
         for cache_dtype in (torch.bfloat16, attention.FP8_DTYPE):
             for name, contexts, q_lens, causal in shapes.prefill_batches:
@@ -265,10 +296,12 @@ def check_prefill(attention, ta, shapes, bench, device, torch, rows, tol):
                     err = rel_err(torch, out, ref)
                     ok = err < tol and not out.isnan().any().item()
                     t = bench.graph_ms(case.all_layers(triton_dispatch(attention)))
-                    t_varlen = bench.graph_ms(case.all_layers(ta.varlen_attention))
+                    t_varlen, t_base = side_by_side(bench, case.all_layers(ta.varlen_attention),
+                                                    base and case.all_layers(base.varlen_attention))
                     t_torch = bench.eager_ms(lambda: reference(attention, case))
                     rows.append(dict(case=label, ok=ok, err=err, us=t * 1e3, torch_us=t_torch * 1e3,
-                                     varlen_us=t_varlen * 1e3, tflops=case.flops / (t * 1e-3) / 1e12))
+                                     varlen_us=t_varlen * 1e3, tflops=case.flops / (t * 1e-3) / 1e12,
+                                     **({"base_us": t_base * 1e3} if base else {})))
                 except Exception:
                     traceback.print_exc()
                     rows.append(dict(case=label, ok=False, err=float("nan")))
@@ -330,25 +363,35 @@ def show_store_mismatches(attention, key, value, page_size, cache_dtype, scale, 
 
 
 def sweep(attention, ta, shapes, bench, bandwidth, device, torch):
-    """Decode tile, warp, stage and split-count variants around the defaults, and FP8 V widened the other way,
-    printed as they come."""
+    """Decode tile, stage, register-cap and split-count variants around the defaults, printed as they come. A
+    program's registers bound how many share a multiprocessor, and the programs per multiprocessor
+    (``programs_per_multiprocessor``) size the split count: the two are swept together."""
     if device == "cpu":
         return
     print("\n# decode sweeps, page 16 (us per layer; floor at measured copy bandwidth)")
-    tilings = {torch.bfloat16: ((32, 4, 3), (64, 4, 2), (64, 8, 3), (128, 8, 3)),
-               attention.FP8_DTYPE: ((64, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 3))}
-    # Page ids a tile ahead and 4 programs per multiprocessor, apart and together (the defaults: neither).
-    loops = (dict(prefetch_pages=True), dict(programs_per_multiprocessor=4),
-             dict(prefetch_pages=True, programs_per_multiprocessor=4))
-    for contexts, splits in (([4096] * 32, (1, 2, 4)), ([4096], (8, 16, 32, 64)), ([1024] * 128, ())):
+    tilings = {torch.bfloat16: (dict(block_n=32, num_stages=3), dict(block_n=128, num_warps=8, num_stages=3),
+                                dict(programs_per_multiprocessor=2), dict(programs_per_multiprocessor=4)),
+               attention.FP8_DTYPE: (dict(programs_per_multiprocessor=2),
+                                     dict(maxnreg=168, programs_per_multiprocessor=2),
+                                     dict(maxnreg=168, programs_per_multiprocessor=3),
+                                     dict(maxnreg=128, programs_per_multiprocessor=4),
+                                     dict(block_n=64, num_stages=3, programs_per_multiprocessor=2),
+                                     dict(block_n=64, num_stages=4, programs_per_multiprocessor=3),
+                                     dict(block_n=64, num_stages=4, maxnreg=128, programs_per_multiprocessor=4))}
+    for cache_dtype in (attention.FP8_DTYPE, torch.bfloat16):
+        for page_size in (16, 64):
+            for name, contexts, q_lens, causal in shapes.prefill_batches[:2]:
+                case = Case(attention, shapes, contexts, q_lens, page_size, cache_dtype, 1, device, causal=causal)
+                for kw in (dict(), dict(maxnreg=168), dict(maxnreg=128)):
+                    t = bench.graph_ms(case.all_layers(ta.varlen_attention, **kw)) * 1e3
+                    print(f"{name} p{page_size} {dtype_name(attention, cache_dtype)} varlen {kw}: {t:8.2f} us",
+                          flush=True)
+    for contexts, splits in (([1024] * 32, ()), ([4096] * 32, (1, 2, 4)), ([1024] * 128, ()), ([4096] * 8, ()),
+                             ([1024], (4, 16)), ([4096], (8, 16, 64))):
         for cache_dtype in (attention.FP8_DTYPE, torch.bfloat16):
             case = decode_case(attention, shapes, contexts, 16, cache_dtype, device)
             floor = (case.kv_bytes() + case.query.numel() * case.query.element_size()) / bandwidth * 1e6
-            variants = [dict(block_n=bn, num_warps=w, num_stages=st) for bn, w, st in tilings[cache_dtype]]
-            variants += [dict(num_splits=n) for n in splits] + [dict()] + list(loops)
-            if cache_dtype == attention.FP8_DTYPE:  # V widened as it arrives or at the product, 3 or 2 stages
-                variants += [dict(widen_v=not widened, num_stages=st) for widened in [ta.DECODE_TILING[1].widen_v]
-                             for st in (2, 3)]
+            variants = [dict()] + list(tilings[cache_dtype]) + [dict(num_splits=n) for n in splits]
             for kw in variants:
                 try:
                     t = bench.graph_ms(case.all_layers(ta.decode_attention, **kw)) / case.layers * 1e3
@@ -365,20 +408,24 @@ def fmt(value, spec):
 def print_tables(decode_rows, prefill_rows, store_rows, bandwidth, env):
     print(f"\n# {env}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write)")
     print(f"\n{'decode (per layer)':30} {'ok':>3} {'rel err':>8} {'triton us':>10} {'MB read':>8} {'floor us':>9} "
-          f"{'% floor':>8} {'GB/s':>6} {'varlen us':>10} {'torch us':>9}")
+          f"{'% floor':>8} {'GB/s':>6} {'varlen us':>10} {'torch us':>9} {'base us':>8} {'speedup':>8} {'bits':>5}")
     for r in decode_rows:
         pct = r["floor_us"] / r["us"] if "us" in r else float("nan")
+        speedup = r["base_us"] / r["us"] if "base_us" in r else float("nan")
+        same = {True: "same", False: "DIFF"}.get(r.get("same_as_base"), "-")
         print(f"{r['case']:30} {'yes' if r['ok'] else 'NO':>3} {fmt(r['err'], '.1e'):>8} "
               f"{fmt(r.get('us', math.nan), '.2f'):>10} {fmt(r.get('mb', math.nan), '.2f'):>8} "
               f"{fmt(r.get('floor_us', math.nan), '.2f'):>9} {fmt(pct, '.1%'):>8} "
               f"{fmt(r.get('gbs', math.nan), '.0f'):>6} {fmt(r.get('varlen_us', math.nan), '.2f'):>10} "
-              f"{fmt(r.get('torch_us', math.nan), '.0f'):>9}")
+              f"{fmt(r.get('torch_us', math.nan), '.0f'):>9} {fmt(r.get('base_us', math.nan), '.2f'):>8} "
+              f"{fmt(speedup, '.2f'):>8} {same:>5}")
     print(f"\n{'prefill / mixed / draft / verify':40} {'ok':>3} {'rel err':>8} {'triton us':>10} {'TFLOP/s':>8} "
-          f"{'varlen us':>10} {'torch us':>9}")
+          f"{'varlen us':>10} {'torch us':>9} {'base varlen us':>15}")
     for r in prefill_rows:
         print(f"{r['case']:40} {'yes' if r['ok'] else 'NO':>3} {fmt(r['err'], '.1e'):>8} "
               f"{fmt(r.get('us', math.nan), '.1f'):>10} {fmt(r.get('tflops', math.nan), '.1f'):>8} "
-              f"{fmt(r.get('varlen_us', math.nan), '.1f'):>10} {fmt(r.get('torch_us', math.nan), '.0f'):>9}")
+              f"{fmt(r.get('varlen_us', math.nan), '.1f'):>10} {fmt(r.get('torch_us', math.nan), '.0f'):>9} "
+              f"{fmt(r.get('base_us', math.nan), '.1f'):>15}")
     print(f"\n{'store (bitwise vs torch)':40} {'ok':>3} {'bytes != torch':>15} {'!= torch on cpu':>16}")
     for r in store_rows:
         print(f"{r['case']:40} {'yes' if r['ok'] else 'NO':>3} {fmt(r['err'], '.0f'):>15} "
@@ -389,6 +436,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes under TRITON_INTERPRET=1 on CPU")
     parser.add_argument("--no-sweep", action="store_true", help="the checks and their table only")
+    parser.add_argument("--sweep-only", action="store_true", help="the tuning sweeps only")
+    parser.add_argument("--baseline", metavar="TREE", help="time TREE/engine/triton_attention.py's kernels beside "
+                        "this tree's, case by case in this run (e.g. git archive HEAD | tar -x -C .old)")
     args = parser.parse_args()
     if args.cpu_smoke:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -410,10 +460,14 @@ def main():
     tol = 1e-2
     decode_rows, prefill_rows, store_rows = [], [], []
     started = time.time()
+    if args.sweep_only:
+        sweep(attention, ta, shapes, bench, bandwidth, device, torch)
+        return
     check_store(attention, shapes, device, torch, store_rows)
-    check_decode(attention, ta, shapes, bench, bandwidth, device, torch, decode_rows, tol)
+    base = import_baseline(args.baseline) if args.baseline else None
+    check_decode(attention, ta, shapes, bench, bandwidth, device, torch, decode_rows, tol, base)
     print(f"# decode checks done at {time.time() - started:.0f}s", flush=True)
-    check_prefill(attention, ta, shapes, bench, device, torch, prefill_rows, tol)
+    check_prefill(attention, ta, shapes, bench, device, torch, prefill_rows, tol, base)
     print(f"# prefill checks done at {time.time() - started:.0f}s", flush=True)
     print_tables(decode_rows, prefill_rows, store_rows, bandwidth, env)
     failed = [r["case"] for r in decode_rows + prefill_rows + store_rows if not r["ok"]]

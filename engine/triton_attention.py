@@ -182,32 +182,63 @@ def _rows_mask(row_valid, dims, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _tile_pages(block_table_ptr, tile_start, kv_end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The page of each kv position of the tile at tile_start (0 past kv_end): a tile may span pages or sit in
-    one."""
+def _tile_pages(block_table_ptr, tile_start, kv_end, stride_page, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Where the page of each kv position of the tile at tile_start begins (its page id times ``stride_page``;
+    page 0 past kv_end): a tile may span pages or sit in one. Multiplied here, once a position, so that the K/V
+    loads' addresses add an offset that stays the same from tile to tile (``_slot_offsets``)."""
     pos = tile_start + tl.arange(0, BLOCK_N)
-    return tl.load(block_table_ptr + pos // PAGE_SIZE, mask=pos < kv_end, other=0).to(tl.int64)
+    page = tl.load(block_table_ptr + pos // PAGE_SIZE, mask=pos < kv_end, other=0)
+    return page.to(tl.int64) * stride_page
+
+
+@triton.jit
+def _tile_kv_pages(block_table_ptr, tile_start, kv_end, stride_k_page, stride_v_page, PAGE_SIZE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SAME_PAGE_STRIDE: tl.constexpr):
+    """``_tile_pages`` for K and for V (one for both when their page strides are equal, as in a pool's pages)."""
+    k_page = _tile_pages(block_table_ptr, tile_start, kv_end, stride_k_page, PAGE_SIZE, BLOCK_N)
+    if SAME_PAGE_STRIDE:
+        v_page = k_page
+    else:
+        v_page = _tile_pages(block_table_ptr, tile_start, kv_end, stride_v_page, PAGE_SIZE, BLOCK_N)
+    return k_page, v_page
+
+
+@triton.jit
+def _slot_offsets(tile_start, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Each kv position's slot in its page, for a tile that starts at a multiple of BLOCK_N (every caller's
+    tiles do): the same for every tile when a tile spans whole pages, so the compiler hoists it out of the loop."""
+    if BLOCK_N % PAGE_SIZE == 0:
+        return tl.arange(0, BLOCK_N) % PAGE_SIZE
+    elif PAGE_SIZE % BLOCK_N == 0:
+        return tile_start % PAGE_SIZE + tl.arange(0, BLOCK_N)
+    else:
+        return (tile_start + tl.arange(0, BLOCK_N)) % PAGE_SIZE
 
 
 @triton.jit
 def _attend_kv_tile(
-    q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, page, kv_head, tile_start, kv_end, row_pos,
-    qk_scale_log2, stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok, stride_v_head,
+    q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_page, v_page, kv_head, tile_start, kv_end, row_pos,
+    qk_scale_log2, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
     CAUSAL: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, WIDEN_V: tl.constexpr,
 ):
-    """One online-softmax step over kv positions [tile_start, tile_start + BLOCK_N), whose pages ``page`` holds
-    (``_tile_pages``); returns the new (m, l, acc). ``WIDEN_V`` (FP8 caches) widens the V tile to the dot's dtype
-    as it arrives and zeroes its masked rows after: the widened tile then reaches the tensor cores through 16-bit
+    """One online-softmax step over kv positions [tile_start, tile_start + BLOCK_N) (``k_page``/``v_page``: where
+    each position's page begins in K/V, ``_tile_pages``); returns the new (m, l, acc). K rows past kv_end are read
+    from page 0 unmasked (their scores are masked out); V rows are masked, as a zero probability times a NaN that a
+    page may hold would still be NaN. ``WIDEN_V`` (FP8 caches) widens the V tile to the dot's dtype as it arrives
+    and zeroes its masked rows after: the widened tile then reaches the tensor cores through 16-bit
     transposed shared-memory loads, where an FP8 tile widened at the product is read from shared memory a byte at
     a time (no 8-bit transposed ldmatrix on sm_90)."""
     pos = tile_start + tl.arange(0, BLOCK_N)
     pos_valid = pos < kv_end
     dims = tl.arange(0, BLOCK_D)
     kv_mask = _rows_mask(pos_valid, dims, HEAD_DIM, BLOCK_D)
-    slot_in_page = pos % PAGE_SIZE
-    k_rows = page * stride_k_page + slot_in_page * stride_k_tok + kv_head * stride_k_head
-    k = tl.load(k_cache_ptr + k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    slot_in_page = _slot_offsets(tile_start, PAGE_SIZE, BLOCK_N)
+    k_rows = k_page + (slot_in_page * stride_k_tok + kv_head * stride_k_head)
+    if HEAD_DIM == BLOCK_D:
+        k = tl.load(k_cache_ptr + k_rows[:, None] + dims[None, :])
+    else:
+        k = tl.load(k_cache_ptr + k_rows[:, None] + dims[None, :], mask=dims[None, :] < HEAD_DIM, other=0.0)
 
     scores = _dot(q, tl.trans(k), DOT_DTYPE) * qk_scale_log2  # log2 domain: softmax via exp2
     visible = pos_valid[None, :]
@@ -219,7 +250,7 @@ def _attend_kv_tile(
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
 
-    v_rows = page * stride_v_page + slot_in_page * stride_v_tok + kv_head * stride_v_head
+    v_rows = v_page + (slot_in_page * stride_v_tok + kv_head * stride_v_head)
     v_ptrs = v_cache_ptr + v_rows[:, None] + dims[None, :]
     if WIDEN_V:
         v = tl.where(kv_mask, tl.load(v_ptrs, mask=kv_mask).to(tl.float16 if DOT_DTYPE == "fp16" else tl.bfloat16), 0.0)
@@ -258,7 +289,7 @@ def _varlen_attention_kernel(
     stride_bt, num_seqs,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, FLAT: tl.constexpr, PDL: tl.constexpr = False,
+    DOT_DTYPE: tl.constexpr, FLAT: tl.constexpr, SAME_PAGE_STRIDE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Program (q block, seq, kv head), or with ``FLAT`` (flat q block, kv head): BLOCK_Q query tokens x the GQA
     group's GROUP heads as BLOCK_M rows. A flat grid has T // BLOCK_Q + B programs per kv head whatever the
@@ -300,10 +331,11 @@ def _varlen_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     block_table_ptr = block_tables_ptr + seq * stride_bt
     for tile_start in range(0, kv_end, BLOCK_N):
-        page = _tile_pages(block_table_ptr, tile_start, kv_end, PAGE_SIZE, BLOCK_N)
+        k_page, v_page = _tile_kv_pages(block_table_ptr, tile_start, kv_end, stride_k_page, stride_v_page,
+                                        PAGE_SIZE, BLOCK_N, SAME_PAGE_STRIDE)
         m_i, l_i, acc = _attend_kv_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, page, kv_head, tile_start, kv_end, row_pos,
-            qk_scale_log2, stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok, stride_v_head,
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_page, v_page, kv_head, tile_start, kv_end, row_pos,
+            qk_scale_log2, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
             CAUSAL, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_DTYPE, False,
         )
     l_i = tl.where(l_i > 0, l_i, 1.0)
@@ -336,7 +368,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, PREFETCH_PAGES: tl.constexpr, MAX_SPLIT_TILES: tl.constexpr,
-    WIDEN_V: tl.constexpr, PDL: tl.constexpr = False,
+    WIDEN_V: tl.constexpr, SAME_PAGE_STRIDE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Program (seq, kv head, split): the sequence's queries (one when decoding, a short block when verifying
     drafts or drafting) x the GQA group against one split of its KV (``_seq_split``). ``PREFETCH_PAGES`` loads
@@ -374,19 +406,23 @@ def _decode_split_kernel(
     block_table_ptr = block_tables_ptr + seq * stride_bt
     # A lone query sits at the last position and sees every stored key, so causal and non-causal agree for it.
     if PREFETCH_PAGES:
-        page = _tile_pages(block_table_ptr, kv_begin, kv_end, PAGE_SIZE, BLOCK_N)
+        k_page, v_page = _tile_kv_pages(block_table_ptr, kv_begin, kv_end, stride_k_page, stride_v_page, PAGE_SIZE,
+                                        BLOCK_N, SAME_PAGE_STRIDE)
     for tile_start in range(kv_begin, kv_end, BLOCK_N):
         if PREFETCH_PAGES:
-            next_page = _tile_pages(block_table_ptr, tile_start + BLOCK_N, kv_end, PAGE_SIZE, BLOCK_N)
+            next_k_page, next_v_page = _tile_kv_pages(block_table_ptr, tile_start + BLOCK_N, kv_end, stride_k_page,
+                                                      stride_v_page, PAGE_SIZE, BLOCK_N, SAME_PAGE_STRIDE)
         else:
-            page = _tile_pages(block_table_ptr, tile_start, kv_end, PAGE_SIZE, BLOCK_N)
+            k_page, v_page = _tile_kv_pages(block_table_ptr, tile_start, kv_end, stride_k_page, stride_v_page,
+                                            PAGE_SIZE, BLOCK_N, SAME_PAGE_STRIDE)
         m_i, l_i, acc = _attend_kv_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, page, kv_head, tile_start, kv_end, row_pos,
-            qk_scale_log2, stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok, stride_v_head,
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_page, v_page, kv_head, tile_start, kv_end, row_pos,
+            qk_scale_log2, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
             CAUSAL, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_DTYPE, WIDEN_V,
         )
         if PREFETCH_PAGES:
-            page = next_page
+            k_page = next_k_page
+            v_page = next_v_page
     # A causal row may see no key of a late split (l = 0): its partial is 0 with no softmax mass (lse -inf).
     out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     if SINGLE_SPLIT:
@@ -446,8 +482,15 @@ def _decode_reduce_kernel(
     _store_rounded(out_ptr + token * stride_o_t + head * stride_o_h + dims, out, 1.0, dims < HEAD_DIM)
 
 
+# Registers a varlen program may take, per cache element size. FP8 tiles left to the compiler took 174-192 (2 programs
+# of 4 warps a multiprocessor); capped at 168 (3 fit), an H100 ran prefill of 2k tokens and a 2k chunk after 2k
+# 4-9% faster (page 16 and 64; benchmarks/attention_check.py's sweep). Capped bf16 tiles ran 5-13% slower.
+VARLEN_MAXNREG = {1: 168}
+
+
 def varlen_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_scale=1.0, v_scale=1.0, *,
-                     block_m=None, block_n=None, num_warps=4, num_stages=2, flat_grid=None) -> torch.Tensor:
+                     block_m=None, block_n=None, num_warps=4, num_stages=2, flat_grid=None,
+                     maxnreg=None) -> torch.Tensor:
     """Varlen paged attention (prefill chunks, drafter blocks, decode, mixed); block sizes default per device,
     the grid (``flat_grid``) to the one of fewer programs."""
     num_tokens, num_q_heads, head_dim = query.shape
@@ -478,18 +521,21 @@ def varlen_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
         meta.block_tables.stride(0), num_seqs,
         GROUP=group, CAUSAL=meta.causal, PAGE_SIZE=k_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), DOT_DTYPE=_dot_dtype(query, k_cache),
-        FLAT=flat, num_warps=num_warps, num_stages=num_stages, **_pdl_args(query.device),
+        FLAT=flat, SAME_PAGE_STRIDE=_same_page_stride(k_cache, v_cache), num_warps=num_warps, num_stages=num_stages,
+        **_pdl_args(query.device), **_register_cap(maxnreg or VARLEN_MAXNREG.get(k_cache.element_size())),
     )
     return out
 
 
 def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_scale=1.0, v_scale=1.0, *,
                      num_splits=None, block_n=None, num_warps=None, num_stages=None, prefetch_pages=None,
-                     programs_per_multiprocessor=None, max_split_keys=None, widen_v=None) -> torch.Tensor:
+                     programs_per_multiprocessor=None, max_split_keys=None, widen_v=None,
+                     maxnreg=None) -> torch.Tensor:
     """Split-KV attention for batches with short query blocks per sequence: one query (decode) or up to
     ``split_kv_max_query_len`` (draft verification, drafter blocks; causal or not, as ``meta`` says). Tiling
     defaults per cache dtype (``prefetch_pages``, ``widen_v`` and ``programs_per_multiprocessor``, which sizes the
-    default split count, too); ``num_splits`` sets the splits per sequence (``_seq_split``)."""
+    default split count, too); ``num_splits`` sets the splits per sequence (``_seq_split``), ``maxnreg`` caps the
+    registers of a program (``DecodeTiling.maxnreg``)."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs, num_kv_heads = meta.seq_lens.shape[0], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -523,9 +569,9 @@ def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
         BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_DTYPE=_dot_dtype(query, k_cache),
         SINGLE_SPLIT=single, PREFETCH_PAGES=tiling.prefetch_pages if prefetch_pages is None else prefetch_pages,
         MAX_SPLIT_TILES=max_split_tiles, WIDEN_V=(tiling.widen_v if widen_v is None else widen_v)
-        and k_cache.dtype == FP8_DTYPE,
+        and k_cache.dtype == FP8_DTYPE, SAME_PAGE_STRIDE=_same_page_stride(k_cache, v_cache),
         num_warps=num_warps or tiling.num_warps, num_stages=num_stages or tiling.num_stages,
-        **_pdl_args(query.device),
+        **_pdl_args(query.device), **_register_cap(maxnreg or tiling.maxnreg),
     )
     if not single:
         _decode_reduce_kernel[(num_seqs, num_q_heads, meta.max_query_len)](
@@ -671,10 +717,15 @@ class DecodeTiling:
     # FP8 V widened as it arrives (``_attend_kv_tile``'s ``WIDEN_V``), not at the product. Off: on an H200 it ran
     # 0-14% slower (batch 1-128 x 1k-4k; benchmarks/README.md), though it leaves no byte-wide shared-memory load.
     widen_v: bool = False
+    # Registers a thread may take (None: as many as the compiler wants); fewer let more programs share a
+    # multiprocessor, at the price of spills. FP8 tiles take 204-207 (2 programs of 4 warps a multiprocessor); on an
+    # H100, 168 (3) with 2-3 programs a multiprocessor's worth of splits took 1.0-1.5x as long, 128 (4) 1.2-1.8x.
+    maxnreg: int | None = None
 
 
 # Per cache element size (bytes): 16 KB K tiles, three stages. On an H200 (Qwen3-8B heads, batch 32 x 4k) 128-row
 # fp8 tiles ran 1.3x faster than 64-row ones and 8 warps 1.6x slower than 4; bf16 was fastest at 64 rows, 4 warps.
+# With the addresses hoisted out of the tile loop (an H100): 64-row fp8 tiles took 1.1-1.6x as long at batch 32.
 DECODE_TILING = {1: DecodeTiling(128, 4, 3, prefetch_pages=True), 2: DecodeTiling(64, 4, 3), 4: DecodeTiling(32, 4, 2)}
 # Keys one split of a long sequence reads at most: a long sequence in a batch of short ones gets more splits than
 # they do (``_seq_split``), so its programs do not run alone long after theirs. On an H100 (per layer, a CUDA graph's
@@ -716,6 +767,17 @@ def _multiprocessor_count(device: torch.device) -> int:
 
 def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
+
+
+def _register_cap(maxnreg: int | None) -> dict:
+    """The launch option that caps a kernel's registers per thread (none under the interpreter, which has no
+    registers)."""
+    return {"maxnreg": maxnreg} if maxnreg and not INTERPRET else {}
+
+
+def _same_page_stride(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether K's and V's pages lie alike (a pool's do): the kernels then multiply each page id once."""
+    return k_cache.stride(0) == v_cache.stride(0)
 
 
 def _fp8_scale(cache: torch.Tensor, scale: float) -> float:

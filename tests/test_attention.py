@@ -307,6 +307,30 @@ def test_triton_varlen_attention_matches_torch(query_dtype, cache_dtype, kv_scal
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("page_size", [24, 64])
+@pytest.mark.parametrize("kernel", ["varlen", "decode", "decode split"])
+def test_tiles_find_their_slots_in_pages_of_any_size_and_stale_rows_never_reach_the_output(page_size, kernel):
+    """A tile's rows find their slots from the tile's start (``_slot_offsets``): tiles of 16 positions in pages of
+    64 (four tiles a page) and of 24 (neither size divides the other). Every page row no sequence holds is NaN,
+    page 0 included: a tile's K rows past the sequence's end are read from page 0 unmasked, so their scores must be
+    masked, and its V rows there must stay out of the product (a zero probability times NaN is NaN)."""
+    from engine import triton_attention as ta
+
+    meta, dense_k, dense_v, num_pages = build_batch(MIXED_BATCH if kernel == "varlen" else DECODE_BATCH, page_size)
+    group, k_cache, v_cache = make_layer_caches(num_pages, page_size, torch.float32)
+    group.fill_(float("nan"))
+    write_dense(k_cache, dense_k, meta)
+    write_dense(v_cache, dense_v, meta)
+    query = make_query(meta, 6, torch.float32)
+    if kernel == "varlen":
+        out = ta.varlen_attention(query, k_cache, v_cache, meta, 0.2)
+    else:
+        out = ta.decode_attention(query, k_cache, v_cache, meta, 0.2, num_splits=4 if kernel == "decode split" else 1)
+    assert not out.isnan().any()
+    assert rel_err(out, dense_attention(query.cpu(), dense_k, dense_v, meta, 0.2)) < 1e-5
+
+
+@pytest.mark.triton
 @pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 32), (64, 16)])
 def test_triton_varlen_tilings_agree(block_m, block_n):
     """Several query blocks per sequence (block_m 16 holds 5 tokens of a group of 3) and tiles spanning pages."""

@@ -42,7 +42,8 @@ DECODE = {f"decode {cache}{' widened' if widen else ''}": (
      "partial_out_ptr": "*bf16", "partial_lse_ptr": "*fp32", "block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32",
      "seq_lens_ptr": "*i32", "qk_scale_log2": "fp32", "v_scale": "fp32"},
     dict(GROUP=4, CAUSAL=False, PAGE_SIZE=16, BLOCK_M=16, BLOCK_N=block_n, HEAD_DIM=128, BLOCK_D=128, DOT_DTYPE=dot,
-         SINGLE_SPLIT=False, PREFETCH_PAGES=prefetch, MAX_SPLIT_TILES=2048 // block_n, WIDEN_V=widen), 3)
+         SINGLE_SPLIT=False, PREFETCH_PAGES=prefetch, MAX_SPLIT_TILES=2048 // block_n, WIDEN_V=widen,
+         SAME_PAGE_STRIDE=True), 3)
     for cache, block_n, dot, prefetch, widen in (("fp8e4nv", 128, "fp16", True, False),
                                                  ("fp8e4nv", 128, "fp16", True, True),
                                                  ("bf16", 64, "bf16", False, False))}
