@@ -9,9 +9,10 @@ by side as ``graphs/overlap`` pairs (``cuda_graphs`` and ``overlap`` settings); 
 and graphed with the decode steps launched ahead of the host (``off/off,on/off,on/on``); a third field ``torch``
 (``on/on/torch``) keeps every linear on cuBLAS, without the few-row Triton kernel (``triton_ops.linear``);
 ``fused`` and ``unfused`` keep that kernel with the layers' norms, residual adds and SwiGLU folded into it or as
-kernels of their own (``triton_ops.FUSED_LAYERS``; ``triton``, or no third field, takes its default); with ``--repeats N`` they take turns N times per batch and the step time is the
-median. ``--profile`` then prints, for the last mode's
-decode step, the kernels a step launches, the GPU's busy time against the step's wall time, and the top kernels.
+kernels of their own (``triton_ops.FUSED_LAYERS``; ``triton``, or no third field, takes its default); with
+``--repeats N`` they take turns N times per batch and the step time is the median. ``--profile`` then prints, for
+each mode's decode step, the kernels a step launches, the GPU's busy time against the step's wall time, and the top
+kernels.
 """
 
 from __future__ import annotations
@@ -38,19 +39,21 @@ PRESETS = {
 def linears(mode: tuple[str, ...]):
     """While a mode's engine captures or runs: the few-row linear kernel off (every linear on cuBLAS) for
     ``.../torch``, the layers' elementwise work folded into it for ``.../fused`` and in kernels of its own for
-    ``.../unfused``; a fourth field ``pdl`` or ``serial`` launches the Triton kernels programmatically dependent
+    ``.../unfused`` (``unfused:32``: the few-row kernel up to 32 rows, ``triton_ops.SKINNY_MAX_ROWS``); a fourth
+    field ``pdl`` or ``serial`` launches the Triton kernels programmatically dependent
     or one after another (``triton_attention.PDL``; by default, dependent where the GPU has it), ``pdl-noprefetch``
     dependent without the linears' weight prefetch (``triton_ops.PREFETCH_STAGES``)."""
     from engine import triton_attention, triton_ops
 
     linear, launch = (mode[2:3] or ("triton",))[0], mode[3:]
-    if (linear not in ("triton", "torch", "fused", "unfused")
+    linear, _, max_rows = linear.partition(":")
+    if (linear not in ("triton", "torch", "fused", "unfused") or not (max_rows or "0").isdigit()
             or launch not in ((), ("pdl",), ("serial",), ("pdl-noprefetch",))):
-        raise SystemExit(f"unknown setting in mode {'/'.join(mode)}: linears triton, torch, fused or unfused, "
-                         f"launches pdl, pdl-noprefetch or serial")
+        raise SystemExit(f"unknown setting in mode {'/'.join(mode)}: linears triton, torch, fused or unfused "
+                         f"(and :ROWS, the most rows the few-row kernel takes), launches pdl, pdl-noprefetch or serial")
     rows, fused, pdl, prefetch = (triton_ops.SKINNY_MAX_ROWS, triton_ops.FUSED_LAYERS, triton_attention.PDL,
                                   triton_ops.PREFETCH_STAGES)
-    triton_ops.SKINNY_MAX_ROWS = 0 if linear == "torch" else rows
+    triton_ops.SKINNY_MAX_ROWS = 0 if linear == "torch" else int(max_rows or rows)
     triton_ops.FUSED_LAYERS = {"fused": True, "unfused": False}.get(linear, fused)
     triton_attention.PDL = {("serial",): False}.get(launch, True if launch else pdl)
     triton_ops.PREFETCH_STAGES = 0 if launch == ("pdl-noprefetch",) else prefetch
@@ -167,7 +170,7 @@ def main():
                     help="graphs/overlap pairs to run side by side (default: off/off,on/off,on/on on CUDA, "
                          "off/off,off/on on CPU)")
     ap.add_argument("--repeats", type=int, default=1, help="passes per batch, the modes taking turns; medians")
-    ap.add_argument("--profile", action="store_true", help="profile the last mode's decode step at each batch")
+    ap.add_argument("--profile", action="store_true", help="profile each mode's decode step at each batch")
     args = ap.parse_args()
     device = torch.device(args.device)
     modes = [tuple(m.split("/")) for m in
@@ -243,8 +246,10 @@ def main():
                 row["floor_over_engine"] = floor / e_step
                 results.append(row)
             if args.profile and device.type == "cuda":
-                with linears(modes[-1]):
-                    profile_decode(engines[modes[-1]], prompts, args.out_len)
+                for mode in modes:
+                    print(f"mode {'/'.join(mode)}:")
+                    with linears(mode):
+                        profile_decode(engines[mode], prompts, args.out_len)
     print(f"device {device} dtype {dtype} preset {args.preset}: weights {weight_bytes / 2**30:.2f} GiB, "
           f"copy bandwidth {bw / 1e9:.0f} GB/s (read+write)")
     print(f"{'batch':>5} {'graphs':>6} {'overlap':>7} {'linears':>14} {'prefill tok/s':>14} {'hf':>10} {'ratio':>6} "

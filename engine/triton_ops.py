@@ -228,9 +228,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # A decode step's linears multiply a handful of rows by a weight read once: pure bandwidth. cuBLAS's kernels for
 # those shapes stream the weights at 0.58-0.95 of the copy rate, lowest for the square 4096 x 4096 o_proj; this
 # kernel (one program per BLOCK_N output columns, looping over K through a pipeline of weight tiles) at 0.66-1.0
-# (benchmarks/README.md, "Few-row linears"). It takes up to SKINNY_MAX_ROWS rows: at 32 cuBLAS is as fast or
-# faster.
-SKINNY_MAX_ROWS = 16
+# (benchmarks/README.md, "Few-row linears"). It takes up to SKINNY_MAX_ROWS rows, past 16 in a 32-row input tile.
+# Alone, at 32 rows it was no faster than cuBLAS; in a graphed step, where it launches programmatically dependent
+# (``triton_attention.PDL``) and cuBLAS's kernels do not, an H100 ran Qwen3-8B's decode step 1.05x faster at batch
+# 32 and 1.06x at 24 with it than with cuBLAS.
+SKINNY_MAX_ROWS = 32
 # A few-row step's decoder layers may fold their norms, residual adds and SwiGLU into these linears
 # (``engine.model.decoder_layers``); False runs them as kernels of their own (benchmarks compare the two). Off: on
 # an H200 (Triton 3.6, Qwen3-8B shape, batch 1) the folded step took 19.0 ms against 4.75 unfused, the SwiGLU
@@ -311,6 +313,11 @@ def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, g_ptr, res_ptr, M, N, K, x_stri
     tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def skinny_block_m(rows: int) -> int:
+    """Rows of the few-row kernel's input tile: 16 (the least a tensor-core product takes), or 32 past 16 rows."""
+    return 16 if rows <= 16 else 32
+
+
 def skinny_fits(rows: int, weight: torch.Tensor, x_dtype: torch.dtype) -> bool:
     """Whether ``linear`` takes the few-row kernel for ``rows`` rows of ``x_dtype`` times ``weight`` ``[N, K]``."""
     return (weight.is_cuda and 1 <= rows <= SKINNY_MAX_ROWS and x_dtype in _SKINNY_DTYPES
@@ -318,16 +325,17 @@ def skinny_fits(rows: int, weight: torch.Tensor, x_dtype: torch.dtype) -> bool:
             and weight.shape[1] % SKINNY_BLOCK_K == 0)
 
 
-def _skinny_tiles(n: int, k: int, device: torch.device, x_tiles: int = 1, swiglu: bool = False
+def _skinny_tiles(n: int, k: int, device: torch.device, x_tiles: int = 1, swiglu: bool = False, block_m: int = 16
                   ) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, stages), from a sweep on an H100 and an H200 (benchmarks/README.md): weights of 16k+
     rows take 64-column tiles 3 deep, others 32 columns 6 deep, 256 wide along a long K (one program per
     multiprocessor at 4096 columns); as many stages as the device's shared memory holds, each holding the weight's
-    tile and ``x_tiles`` input tiles (2 for SwiGLU's gate and up). With the SwiGLU epilogue (``swiglu``) a
-    program's weight tile is BLOCK_N rows of gate and as many of up: half the output columns, the same bytes."""
+    tile and ``x_tiles`` input tiles of ``block_m`` rows (2 for SwiGLU's gate and up). With the SwiGLU epilogue
+    (``swiglu``) a program's weight tile is BLOCK_N rows of gate and as many of up: half the output columns, the
+    same bytes."""
     rows, stages = (64, 3) if n >= 16384 else (32, 6)
     block_k = 256 if k >= 8192 and k % 256 == 0 else SKINNY_BLOCK_K
-    stage_bytes = (16 * x_tiles + rows) * block_k * 2
+    stage_bytes = (block_m * x_tiles + rows) * block_k * 2
     return rows // 2 if swiglu else rows, block_k, max(2, min(stages, (_shared_memory(device) - 8192) // stage_bytes))
 
 
@@ -381,7 +389,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, 
                              f"{tuple(residual.shape)} strides {residual.stride()}")
     out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
     if rows.shape[0]:
-        block_n, block_k, stages = tiles or _skinny_tiles(weight.shape[0], k, x.device, 2 if silu else 1, swiglu)
+        block_m = skinny_block_m(rows.shape[0])
+        block_n, block_k, stages = tiles or _skinny_tiles(weight.shape[0], k, x.device, 2 if silu else 1, swiglu,
+                                                          block_m)
         if k % block_k:
             raise ValueError(f"K {k} is not a multiple of the K tile {block_k}")
         launch = _pdl_args(x.device)
@@ -391,7 +401,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, 
             rows, weight, out, norm if norm is not None else weight, res if res is not None else out,
             rows.shape[0], n, k, rows.stride(0), weight.stride(0), out.stride(0), res.stride(0) if res is not None
             else 0, float(eps), PROLOGUE="norm" if norm is not None else "silu" if silu else "none",
-            RESIDUAL=res is not None, ROUND=_rounding(x.dtype), BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+            RESIDUAL=res is not None, ROUND=_rounding(x.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             DOT_FP32=INTERPRET and x.dtype == torch.bfloat16, SWIGLU=swiglu, num_stages=stages, num_warps=4,
             **launch)
     return out.view(*x.shape[:-1], n)
@@ -417,15 +427,18 @@ def precompile_linears(weights, dtype: torch.dtype, fused=()) -> int:
     ``fused`` (``engine.model.fused_linears``) with that fused work (before serving: a variant met later would
     compile inside a step). Returns the variants launched."""
     launched = set()
+    # A row count for each input tile the kernel takes up to SKINNY_MAX_ROWS rows.
+    row_counts = sorted({min(skinny_block_m(r), SKINNY_MAX_ROWS) for r in range(1, SKINNY_MAX_ROWS + 1)})
     for weight, kw in [(w, {}) for w in weights] + list(fused):
-        key = (tuple(weight.shape), weight.stride(0), tuple(sorted(kw)))
-        if skinny_fits(1, weight, dtype) and key not in launched:
-            launched.add(key)
-            n, k = weight.shape
-            x = torch.zeros(1, 2 * k if kw.get("silu") else k, dtype=dtype, device=weight.device)
-            out_n = n // 2 if kw.get("swiglu") else n
-            skinny_linear(x, weight, norm=kw.get("norm"), eps=1e-6, silu=kw.get("silu", False),
-                          swiglu=kw.get("swiglu", False),
-                          residual=torch.zeros(1, out_n, dtype=dtype, device=weight.device) if kw.get("residual")
-                          else None)
+        for rows in row_counts:
+            key = (tuple(weight.shape), weight.stride(0), tuple(sorted(kw)), skinny_block_m(rows))
+            if skinny_fits(rows, weight, dtype) and key not in launched:
+                launched.add(key)
+                n, k = weight.shape
+                x = torch.zeros(rows, 2 * k if kw.get("silu") else k, dtype=dtype, device=weight.device)
+                out_n = n // 2 if kw.get("swiglu") else n
+                skinny_linear(x, weight, norm=kw.get("norm"), eps=1e-6, silu=kw.get("silu", False),
+                              swiglu=kw.get("swiglu", False),
+                              residual=torch.zeros(rows, out_n, dtype=dtype, device=weight.device)
+                              if kw.get("residual") else None)
     return len(launched)

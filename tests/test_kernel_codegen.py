@@ -28,6 +28,7 @@ LINEARS = {f"{prologue}{'+residual' if residual else ''}": (
                                                          ("none", True, 32, 128, 6), ("silu", True, 32, 256, 6)]}
 LINEARS["none swiglu"] = (LINEARS["none"][0], LINEARS["none"][1], {**LINEARS["none"][2], "BLOCK_N": 32, "SWIGLU": True},
                           3)       # gate_up with SwiGLU in its epilogue: 32 columns, 64 weight rows
+LINEARS["none 32 rows"] = (LINEARS["none"][0], LINEARS["none"][1], {**LINEARS["none"][2], "BLOCK_M": 32}, 3)
 QK_TYPES = {**{p: "*bf16" for p in ("qkv_ptr", "q_ptr", "k_ptr", "q_norm_ptr", "k_norm_ptr", "cos_ptr", "sin_ptr")},
             "pos_ptr": "*i64", "slot_ptr": "*i64", "k_scale": "fp32", "v_scale": "fp32", "eps": "fp32"}
 QK_NORM_ROPE = {f"{cache} store={store}": (
@@ -105,12 +106,14 @@ def test_each_few_row_linear_variant_compiles_with_its_weight_tiles_pipelined(co
     """qkv / gate_up (the norm folded in), o (the residual add), down (SwiGLU and the add) and the plain product
     compile for sm_90 with the tiles of an 8B-shaped step: tiles loaded by cp.async into several stages of shared
     memory (the weight streams while earlier tiles multiply), products on the tensor cores, and each folded op
-    present only where it is folded in; gate_up with SwiGLU in its epilogue stages its gate and up tiles together."""
+    present only where it is folded in; gate_up with SwiGLU in its epilogue stages its gate and up tiles together;
+    a 32-row input tile (17-32 rows) stages it whole."""
     _, _, constexprs, _ = LINEARS[name]
     ptx, shared = codegen[name]["ptx"], codegen[name]["shared"]
     x_tiles = 2 if constexprs["PROLOGUE"] == "silu" else 1
     swiglu = constexprs.get("SWIGLU", False)
-    stage_bytes = (16 * x_tiles + constexprs["BLOCK_N"] * (2 if swiglu else 1)) * constexprs["BLOCK_K"] * 2
+    stage_bytes = (constexprs["BLOCK_M"] * x_tiles + constexprs["BLOCK_N"] * (2 if swiglu else 1)) * \
+        constexprs["BLOCK_K"] * 2
     assert re.search(r"cp\.async\.(cg|ca)", ptx)
     assert shared >= 2 * stage_bytes, (shared, stage_bytes)
     assert re.search(r"mma\.sync|wgmma", ptx)

@@ -112,13 +112,15 @@ SKINNY_TILES = [(32, 128, 2), (64, 256, 3)] if DEVICE == "cpu" else [None]
 
 @pytest.mark.parametrize("tiles", SKINNY_TILES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_few_row_linear_equals_the_matmul_to_rounding(dtype, tiles):
-    """Rows 1 to 16 (strided rows, leading dims) times a weight whose columns end in a partial tile, against the
-    float32 product rounded once: within one ulp of the activation dtype (the sum's order differs)."""
+def test_the_few_row_linear_equals_the_matmul_to_rounding(dtype, tiles, monkeypatch):
+    """Rows 1 to 32 (strided rows, leading dims; past 16 rows a 32-row input tile, which the kernel takes where
+    ``SKINNY_MAX_ROWS`` allows) times a weight whose columns end in a partial tile, against the float32 product
+    rounded once: within one ulp of the activation dtype (the sum's order differs)."""
+    monkeypatch.setattr(ops(), "SKINNY_MAX_ROWS", 32)
     g = torch.Generator().manual_seed(3)
     n, k = 100, 512
     weight = (torch.randn(n, k, generator=g) / 16).to(dtype).to(DEVICE)
-    for rows in (1, 5, 16):
+    for rows in (1, 5, 16, 17, 32):
         wide = torch.randn(rows, 2, k, generator=g).to(dtype).to(DEVICE)
         x = wide[:, 1]                                      # rows 2K apart
         got = ops().skinny_linear(x, weight, tiles)
@@ -236,8 +238,8 @@ def test_bad_inputs_are_refused():
         ops().skinny_linear(torch.zeros(2, 200), torch.zeros(8, 200), (32, 128, 2))
     with pytest.raises(ValueError, match="K tile 256"):
         ops().skinny_linear(torch.zeros(2, 384), torch.zeros(8, 384), (32, 256, 2))
-    with pytest.raises(ValueError, match="at most 16 rows"):
-        ops().skinny_linear(torch.zeros(17, 256), torch.zeros(8, 256), (32, 128, 2))
+    with pytest.raises(ValueError, match="at most 32 rows"):
+        ops().skinny_linear(torch.zeros(33, 256), torch.zeros(8, 256), (32, 128, 2))
     with pytest.raises(ValueError, match="rows of 512"):       # silu takes the gate_up projection, 2 K wide
         ops().skinny_linear(torch.zeros(2, 256), torch.zeros(8, 256), (32, 128, 2), silu=True)
     with pytest.raises(ValueError, match="norm's weight"):
