@@ -522,7 +522,8 @@ def varlen_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
         GROUP=group, CAUSAL=meta.causal, PAGE_SIZE=k_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), DOT_DTYPE=_dot_dtype(query, k_cache),
         FLAT=flat, SAME_PAGE_STRIDE=_same_page_stride(k_cache, v_cache), num_warps=num_warps, num_stages=num_stages,
-        **_pdl_args(query.device), **_register_cap(maxnreg or VARLEN_MAXNREG.get(k_cache.element_size())),
+        **_pdl_args(query.device),
+        **_register_cap(maxnreg or VARLEN_MAXNREG.get(k_cache.element_size()), query.device),
     )
     return out
 
@@ -571,7 +572,7 @@ def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
         MAX_SPLIT_TILES=max_split_tiles, WIDEN_V=(tiling.widen_v if widen_v is None else widen_v)
         and k_cache.dtype == FP8_DTYPE, SAME_PAGE_STRIDE=_same_page_stride(k_cache, v_cache),
         num_warps=num_warps or tiling.num_warps, num_stages=num_stages or tiling.num_stages,
-        **_pdl_args(query.device), **_register_cap(maxnreg or tiling.maxnreg),
+        **_pdl_args(query.device), **_register_cap(maxnreg or tiling.maxnreg, query.device),
     )
     if not single:
         _decode_reduce_kernel[(num_seqs, num_q_heads, meta.max_query_len)](
@@ -769,10 +770,11 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _register_cap(maxnreg: int | None) -> dict:
-    """The launch option that caps a kernel's registers per thread (none under the interpreter, which has no
-    registers)."""
-    return {"maxnreg": maxnreg} if maxnreg and not INTERPRET else {}
+def _register_cap(maxnreg: int | None, device: torch.device) -> dict:
+    """The launch option that caps a kernel's registers per thread: an NVIDIA GPU's (the interpreter has no
+    registers, and ROCm's compiler takes no such option)."""
+    return {"maxnreg": maxnreg} if maxnreg and not INTERPRET and device.type == "cuda" and not torch.version.hip \
+        else {}
 
 
 def _same_page_stride(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
