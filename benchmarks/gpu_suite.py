@@ -18,9 +18,11 @@ Each step runs in a process of its own under a time limit, its whole output kept
 7. ``linears`` (GPU only): ``linear_bench.py``, the few-row linear kernel against cuBLAS and the bytes floor;
 8. ``linears_engine`` (GPU only): ``engine_bench.py`` with the kernel on and the layers' norms, residual adds and
    SwiGLU folded into it, on with them as kernels of their own (the default), and off (every linear on cuBLAS), the
-   graphed + overlapped decode step at batch 1 / 8 / 32 (32 takes cuBLAS either way: the control);
+   graphed + overlapped decode step at batch 1 / 8 / 32;
 9. ``pdl_engine`` (GPU only): ``engine_bench.py`` with the kernels launched one after another, programmatically
-   dependent without the linears' weight prefetch, and with it (the default), the same steps.
+   dependent without the linears' weight prefetch, and with it (the default), the same steps;
+10. ``rows_engine`` (GPU only): ``engine_bench.py`` with the few-row kernel up to 16 rows (cuBLAS past them) and
+    up to 32 (the default), the graphed + overlapped decode step at batch 24 / 32.
 
 Exits 1 if a step failed. The Ray + NIXL service on the GPU is ``gpu_service.py`` (it needs those wheels).
 """
@@ -69,7 +71,11 @@ def steps(device: str, out: Path) -> list[tuple[str, list[str], int]]:
           ("pdl_engine", py + ["benchmarks/engine_bench.py", "--preset", "qwen3-8b", "--device", "cuda",
                                "--prompt-len", "512", "--out-len", "32", "--batches", "1,8,32", "--modes",
                                "on/on/unfused/serial,on/on/unfused/pdl-noprefetch,on/on/unfused/pdl", "--repeats",
-                               "3", "--json", str(out / "pdl_engine.json")], 360)] if gpu else [])
+                               "3", "--json", str(out / "pdl_engine.json")], 360),
+          ("rows_engine", py + ["benchmarks/engine_bench.py", "--preset", "qwen3-8b", "--device", "cuda",
+                                "--prompt-len", "512", "--out-len", "32", "--batches", "24,32", "--modes",
+                                "on/on/unfused:16/pdl,on/on/unfused:32/pdl", "--repeats", "3",
+                                "--json", str(out / "rows_engine.json")], 360)] if gpu else [])
 
 
 def headline(name: str, out: Path) -> str:
@@ -104,6 +110,12 @@ def headline(name: str, out: Path) -> str:
                          f"{step[b, 'pdl']['engine_step_ms']:.2f} ({step[b, 'pdl']['floor_over_engine']:.2f}), "
                          f"without the prefetch {step[b, 'pdl-noprefetch']['engine_step_ms']:.2f}"
                          for b in sorted({b for b, _ in step}))
+    if name == "rows_engine":
+        step = {(r["batch"], r["linears"].split("/")[0]): r for r in data}
+        return "; ".join(f"b{b}: to 16 rows {step[b, 'unfused:16']['engine_step_ms']:.2f} ms "
+                         f"({step[b, 'unfused:16']['floor_over_engine']:.2f} of floor), to 32 rows "
+                         f"{step[b, 'unfused:32']['engine_step_ms']:.2f} "
+                         f"({step[b, 'unfused:32']['floor_over_engine']:.2f})" for b in sorted({b for b, _ in step}))
     if name == "engine":
         return "; ".join(f"b{r['batch']} {r['graphs']}/{r['overlap']}: {r['engine_step_ms']:.2f} ms, "
                          f"{r['floor_over_engine']:.2f} of floor" for r in data)
