@@ -61,8 +61,10 @@ GPU_SHAPES = Shapes(
                       True),
                      ("draft block16 x32 ctx2k", [2048] * 32, [16] * 32, False),
                      ("verify 16 b1 ctx1k", [1024], [16], True),
+                     ("verify 16 b1 ctx4k", [4096], [16], True),
                      ("verify 16 b32 ctx1k", [1024] * 32, [16] * 32, True),
-                     ("draft block16 b1 ctx1k", [1024], [16], False)),
+                     ("draft block16 b1 ctx1k", [1024], [16], False),
+                     ("draft block16 b1 ctx4k", [4096], [16], False)),
     store_tokens=2048, page_sizes=(16, 64), rotate_bytes=512 << 20, reps=20)
 SMOKE_SHAPES = Shapes(
     num_q_heads=4, num_kv_heads=2, head_dim=32,

@@ -546,8 +546,9 @@ def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
     out = torch.empty_like(query)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    tiling = DECODE_TILING[k_cache.element_size()]
-    block_n = block_n or decode_block_n(k_cache)
+    block_m = decode_block_m(meta.max_query_len, group)
+    tiling = decode_tiling(k_cache, block_m)
+    block_n = block_n or decode_block_n(k_cache, block_m)
     splits_per_seq = num_splits or splits_per_sequence(
         num_seqs, num_kv_heads, query.device, programs_per_multiprocessor or tiling.programs_per_multiprocessor)
     max_split_tiles = max_split_tiles_for(block_n, max_split_keys)
@@ -566,7 +567,7 @@ def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         meta.block_tables.stride(0), num_q_heads, num_splits, splits_per_seq,
         GROUP=group, CAUSAL=meta.causal and meta.max_query_len > 1, PAGE_SIZE=k_cache.shape[1],
-        BLOCK_M=decode_block_m(meta.max_query_len, group),
+        BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_DTYPE=_dot_dtype(query, k_cache),
         SINGLE_SPLIT=single, PREFETCH_PAGES=tiling.prefetch_pages if prefetch_pages is None else prefetch_pages,
         MAX_SPLIT_TILES=max_split_tiles, WIDEN_V=(tiling.widen_v if widen_v is None else widen_v)
@@ -601,9 +602,17 @@ def decode_block_m(max_query_len: int, group: int) -> int:
 REDUCE_BLOCK_S = 16
 
 
-def decode_block_n(k_cache: torch.Tensor) -> int:
-    """KV positions per split-KV tile (per cache dtype; small under the interpreter)."""
-    return 16 if INTERPRET else DECODE_TILING[k_cache.element_size()].block_n
+def decode_tiling(k_cache: torch.Tensor, block_m: int = 16) -> DecodeTiling:
+    """A split-KV launch's tiling: per cache dtype, and for programs of more than 16 query rows (verification and
+    drafter blocks) per ``DECODE_BLOCK_TILING`` where it has one."""
+    element_size = k_cache.element_size()
+    return DECODE_BLOCK_TILING.get(element_size, DECODE_TILING[element_size]) if block_m > 16 else \
+        DECODE_TILING[element_size]
+
+
+def decode_block_n(k_cache: torch.Tensor, block_m: int = 16) -> int:
+    """KV positions per split-KV tile of programs of ``block_m`` query rows (small under the interpreter)."""
+    return 16 if INTERPRET else decode_tiling(k_cache, block_m).block_n
 
 
 def grid_splits(max_seq_len: int, block_n: int, splits_per_seq: int, max_split_tiles: int) -> int:
@@ -636,11 +645,6 @@ def precompile(num_q_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, q
     key = torch.zeros((1, num_kv_heads, head_dim), dtype=query_dtype, device=device)
     store_kv(key, key, k_cache, v_cache, torch.full((1,), -1, dtype=torch.int64, device=device), k_scale, v_scale)
     launched = {("store",)}
-    block_n = decode_block_n(k_cache)
-    max_split_tiles = max_split_tiles_for(block_n)
-    # (splits per sequence, context): a context of one tile (one split, no merge), and the whole context at a split
-    # per tile (many splits and the merge).
-    split_requests = [(1, min(max_seq_len, block_n)), (max(1, triton.cdiv(max_seq_len, block_n)), max_seq_len)]
     q = 1
     # Query blocks of 1, 2, 4, ... 64: every varlen tile (it saturates at 64 rows) and every split-KV one (those
     # blocks stop at 64 rows, 64 / group queries).
@@ -654,7 +658,12 @@ def precompile(num_q_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, q
             varlen_attention(query, k_cache, v_cache, meta, 1.0, k_scale, v_scale, flat_grid=flat)
             launched.add(("varlen", varlen_block_m(q, group), causal, flat))
         if q <= split_kv_max_query_len(group):
-            for wanted, context in split_requests:
+            block_n = decode_block_n(k_cache, decode_block_m(q, group))
+            max_split_tiles = max_split_tiles_for(block_n)
+            # (splits per sequence, context): a context of one tile (one split, no merge), and the whole context at
+            # a split per tile (many splits and the merge).
+            for wanted, context in [(1, min(max_seq_len, block_n)),
+                                    (max(1, triton.cdiv(max_seq_len, block_n)), max_seq_len)]:
                 meta.max_seq_len = context
                 meta.seq_lens = torch.tensor([context], dtype=torch.int32, device=device)
                 splits = grid_splits(context, block_n, wanted, max_split_tiles)
@@ -728,6 +737,12 @@ class DecodeTiling:
 # fp8 tiles ran 1.3x faster than 64-row ones and 8 warps 1.6x slower than 4; bf16 was fastest at 64 rows, 4 warps.
 # With the addresses hoisted out of the tile loop (an H100): 64-row fp8 tiles took 1.1-1.6x as long at batch 32.
 DECODE_TILING = {1: DecodeTiling(128, 4, 3, prefetch_pages=True), 2: DecodeTiling(64, 4, 3), 4: DecodeTiling(32, 4, 2)}
+# Programs of more than 16 query rows (blocks of 16 tokens x a GQA group of 4), where they differ. On an H100
+# (Qwen3-8B heads, batch 1, page 16, one run of every tiling): fp8 verification blocks of 16 over 1k / 4k keys took
+# 9.9 / 17.1 us a layer with 64-key tiles against 11.4 / 23.6 us with 128 (1.15 / 1.39x), drafter blocks 9.8 / 17.4
+# against 11.0 / 23.4; 32-key tiles were 1.31x at 4k and slower at 1k. bf16 blocks kept 64-key tiles: 32 gained
+# 1.24x on a 4k verification block, nothing on a drafter block, and lost at 1k.
+DECODE_BLOCK_TILING = {1: DecodeTiling(64, 4, 3, prefetch_pages=True)}
 # Keys one split of a long sequence reads at most: a long sequence in a batch of short ones gets more splits than
 # they do (``_seq_split``), so its programs do not run alone long after theirs. On an H100 (per layer, a CUDA graph's
 # metadata: the grid spans a 32k capacity), 2048 against 4096 and 8192: a 16k sequence among 31 of 1k 90 against 134

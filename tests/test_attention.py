@@ -601,11 +601,11 @@ def test_precompile_launches_every_variant_a_step_can_take(cache_dtype, num_q_he
     launched = ta.precompile(num_q_heads, k_cache, v_cache, torch.float32, causal=causal, max_seq_len=max_seq_len,
                              k_scale=0.5, v_scale=0.5)
     group = num_q_heads // NUM_KV_HEADS
-    block_n = ta.decode_block_n(k_cache)
     needed = {("store",)}
     for q in range(1, 65):
         needed |= {("varlen", ta.varlen_block_m(q, group), causal, flat) for flat in (False, True)}
     for q in range(1, ta.split_kv_max_query_len(group) + 1):
+        block_n = ta.decode_block_n(k_cache, ta.decode_block_m(q, group))
         for num_seqs in range(1, 9):
             wanted = ta.splits_per_sequence(num_seqs, NUM_KV_HEADS, torch.device(DEVICE))
             for seq_len in range(q, max_seq_len + 1):
