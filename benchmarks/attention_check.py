@@ -401,6 +401,18 @@ def sweep(attention, ta, shapes, bench, bandwidth, device, torch):
                     print(f"{label} {kw}: {t:8.2f} us  floor {floor:7.2f}  ({floor / t:5.1%})", flush=True)
                 except Exception as exc:
                     print(f"decode b{len(contexts)} {kw}: failed {exc!r}"[:300])
+    # Verification (causal) and drafter blocks of 16 tokens at batch 1: the split-KV kernel's block tiling
+    # (``DECODE_BLOCK_TILING``) against the other tile sizes, layers rotated through more than the L2.
+    for cache_dtype in (attention.FP8_DTYPE, torch.bfloat16):
+        for ctx, causal in ((1024, True), (4096, True), (1024, False), (4096, False)):
+            element_size = torch.empty((), dtype=cache_dtype).element_size()
+            per_layer = ctx * 2 * shapes.num_kv_heads * shapes.head_dim * element_size
+            layers = max(2, min(64, math.ceil(shapes.rotate_bytes / per_layer)))
+            case = Case(attention, shapes, [ctx - 16], [16], 16, cache_dtype, layers, device, causal=causal)
+            label = f"{'verify' if causal else 'draft'} 16 b1 ctx{ctx // 1024}k {dtype_name(attention, cache_dtype)}"
+            for kw in (dict(), dict(block_n=32), dict(block_n=64), dict(block_n=128)):
+                t = bench.graph_ms(case.all_layers(ta.decode_attention, **kw)) / layers * 1e3
+                print(f"{label} {kw}: {t:8.2f} us", flush=True)
 
 
 def fmt(value, spec):
