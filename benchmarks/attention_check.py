@@ -297,13 +297,22 @@ def check_prefill(attention, ta, shapes, bench, device, torch, rows, tol, base=N
                     out = case.run(triton_dispatch(attention))
                     err = rel_err(torch, out, ref)
                     ok = err < tol and not out.isnan().any().item()
-                    t = bench.graph_ms(case.all_layers(triton_dispatch(attention)))
-                    t_varlen, t_base = side_by_side(bench, case.all_layers(ta.varlen_attention),
-                                                    base and case.all_layers(base.varlen_attention))
+                    # The kernel the dispatch takes (``paged_attention``), timed beside the baseline tree's same
+                    # kernel; the varlen kernel beside the baseline's varlen kernel.
+                    split = case.meta.uniform and ta.prefers_split_kv(
+                        case.meta.max_query_len, len(case.seq_lens), shapes.num_q_heads, shapes.num_kv_heads,
+                        case.query.device)
+                    kernel = "decode_attention" if split else "varlen_attention"
+                    t, t_base = side_by_side(bench, case.all_layers(getattr(ta, kernel)),
+                                             base and case.all_layers(getattr(base, kernel)))
+                    t_varlen, t_base_varlen = side_by_side(bench, case.all_layers(ta.varlen_attention),
+                                                           base and case.all_layers(base.varlen_attention))
                     t_torch = bench.eager_ms(lambda: reference(attention, case))
                     rows.append(dict(case=label, ok=ok, err=err, us=t * 1e3, torch_us=t_torch * 1e3,
-                                     varlen_us=t_varlen * 1e3, tflops=case.flops / (t * 1e-3) / 1e12,
-                                     **({"base_us": t_base * 1e3} if base else {})))
+                                     kernel="split" if split else "varlen", varlen_us=t_varlen * 1e3,
+                                     tflops=case.flops / (t * 1e-3) / 1e12,
+                                     **({"base_us": t_base * 1e3, "base_varlen_us": t_base_varlen * 1e3}
+                                        if base else {})))
                 except Exception:
                     traceback.print_exc()
                     rows.append(dict(case=label, ok=False, err=float("nan")))
@@ -433,13 +442,15 @@ def print_tables(decode_rows, prefill_rows, store_rows, bandwidth, env):
               f"{fmt(r.get('gbs', math.nan), '.0f'):>6} {fmt(r.get('varlen_us', math.nan), '.2f'):>10} "
               f"{fmt(r.get('torch_us', math.nan), '.0f'):>9} {fmt(r.get('base_us', math.nan), '.2f'):>8} "
               f"{fmt(speedup, '.2f'):>8} {same:>5}")
-    print(f"\n{'prefill / mixed / draft / verify':40} {'ok':>3} {'rel err':>8} {'triton us':>10} {'TFLOP/s':>8} "
-          f"{'varlen us':>10} {'torch us':>9} {'base varlen us':>15}")
+    print(f"\n{'prefill / mixed / draft / verify':40} {'ok':>3} {'rel err':>8} {'kernel':>7} {'triton us':>10} "
+          f"{'TFLOP/s':>8} {'base us':>8} {'speedup':>8} {'varlen us':>10} {'base varlen us':>15} {'torch us':>9}")
     for r in prefill_rows:
-        print(f"{r['case']:40} {'yes' if r['ok'] else 'NO':>3} {fmt(r['err'], '.1e'):>8} "
+        speedup = r["base_us"] / r["us"] if "base_us" in r else float("nan")
+        print(f"{r['case']:40} {'yes' if r['ok'] else 'NO':>3} {fmt(r['err'], '.1e'):>8} {r.get('kernel', '-'):>7} "
               f"{fmt(r.get('us', math.nan), '.1f'):>10} {fmt(r.get('tflops', math.nan), '.1f'):>8} "
-              f"{fmt(r.get('varlen_us', math.nan), '.1f'):>10} {fmt(r.get('torch_us', math.nan), '.0f'):>9} "
-              f"{fmt(r.get('base_us', math.nan), '.1f'):>15}")
+              f"{fmt(r.get('base_us', math.nan), '.1f'):>8} {fmt(speedup, '.2f'):>8} "
+              f"{fmt(r.get('varlen_us', math.nan), '.1f'):>10} {fmt(r.get('base_varlen_us', math.nan), '.1f'):>15} "
+              f"{fmt(r.get('torch_us', math.nan), '.0f'):>9}")
     print(f"\n{'store (bitwise vs torch)':40} {'ok':>3} {'bytes != torch':>15} {'!= torch on cpu':>16}")
     for r in store_rows:
         print(f"{r['case']:40} {'yes' if r['ok'] else 'NO':>3} {fmt(r['err'], '.0f'):>15} "
