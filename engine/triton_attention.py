@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -359,7 +360,7 @@ def _seq_split(seq_len, splits_per_seq, BLOCK_N: tl.constexpr, MAX_SPLIT_TILES: 
 
 @triton.jit(do_not_specialize=RUNTIME_INTS, do_not_specialize_on_alignment=METADATA_POINTERS)
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr, merge_count_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     qk_scale_log2, v_scale,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
@@ -369,10 +370,13 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, PREFETCH_PAGES: tl.constexpr, MAX_SPLIT_TILES: tl.constexpr,
     WIDEN_V: tl.constexpr, SAME_PAGE_STRIDE: tl.constexpr = False, PDL: tl.constexpr = False,
+    MERGE_ROWS: tl.constexpr = 0, MERGE_SPLITS: tl.constexpr = 16,
 ):
     """Program (seq, kv head, split): the sequence's queries (one when decoding, a short block when verifying
     drafts or drafting) x the GQA group against one split of its KV (``_seq_split``). ``PREFETCH_PAGES`` loads
-    each tile's page ids one tile ahead, so that the K/V loads do not wait on them."""
+    each tile's page ids one tile ahead, so that the K/V loads do not wait on them. With ``MERGE_ROWS`` (the
+    program's real rows, a power of two), the last split of a (seq, kv head) to finish merges the partials itself
+    (``_merge_in_last_program``) instead of a merge kernel of its own."""
     _await_previous_kernel(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -436,6 +440,58 @@ def _decode_split_kernel(
         partial_rows = (tokens * num_q_heads + heads) * num_splits + split
         tl.store(partial_out_ptr + partial_rows[:, None] * BLOCK_D + dims[None, :], out, mask=io_mask)
         tl.store(partial_lse_ptr + partial_rows, m_i + tl.log2(l_i), mask=row_valid)
+        if MERGE_ROWS > 0:
+            _merge_in_last_program(partial_out_ptr, partial_lse_ptr, merge_count_ptr, out_ptr, seq, kv_head,
+                                   q_begin, q_end, seq_splits, stride_o_t, stride_o_h, num_q_heads, num_splits,
+                                   GROUP, HEAD_DIM, BLOCK_D, MERGE_ROWS, MERGE_SPLITS)
+
+
+@triton.jit
+def _merge_in_last_program(partial_out_ptr, partial_lse_ptr, merge_count_ptr, out_ptr, seq, kv_head, q_begin, q_end,
+                           seq_splits, stride_o_t, stride_o_h, num_q_heads, num_splits, GROUP: tl.constexpr,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr):
+    """Count this split in on its (seq, kv head)'s counter; the split that counts last merges every split's
+    partials (rows: the queries x the GQA group), MERGE_SPLITS at a time in split order, and puts the counter
+    back to zero for the next launch. The sum is the same whichever split comes last, so graphed and eager steps
+    agree to the bit.
+
+    Ordering: the barrier puts every thread's partial stores before the one thread's counting, whose acquire-release
+    atomic (GPU scope) publishes them to, and orders them before, the last program's loads, which bypass L1."""
+    tl.debug_barrier()
+    counter = merge_count_ptr + seq * (num_q_heads // GROUP) + kv_head
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == seq_splits - 1:
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        rows = tl.arange(0, ROWS)
+        row_valid = rows // GROUP < q_end - q_begin
+        tokens = q_begin + rows // GROUP
+        heads = kv_head * GROUP + rows % GROUP
+        first = (tokens * num_q_heads + heads) * num_splits
+        splits = tl.arange(0, SPLITS)
+        dims = tl.arange(0, BLOCK_D)
+        top = tl.full([ROWS], float("-inf"), tl.float32)
+        total = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+        for chunk in range(0, seq_splits, SPLITS):
+            valid = row_valid[:, None] & (chunk + splits < seq_splits)[None, :]
+            at = first[:, None] + chunk + splits[None, :]
+            lse = tl.load(partial_lse_ptr + at, mask=valid, other=float("-inf"), cache_modifier=".cg")
+            if HEAD_DIM == BLOCK_D:   # as ``_rows_mask``: a mask along the contiguous dim splits the loads
+                partial_mask = valid[:, :, None]
+            else:
+                partial_mask = valid[:, :, None] & (dims < HEAD_DIM)[None, None, :]
+            partial = tl.load(partial_out_ptr + at[:, :, None] * BLOCK_D + dims[None, None, :], mask=partial_mask,
+                              other=0.0, cache_modifier=".cg")
+            new_top = tl.maximum(top, tl.max(lse, axis=1))
+            # A row with no softmax mass yet (a causal row's late splits, a padding row) keeps weights of 0.
+            base = tl.where(new_top == float("-inf"), 0.0, new_top)
+            weight = tl.exp2(lse - base[:, None])
+            rescale = tl.exp2(top - base)
+            total = total * rescale + tl.sum(weight, axis=1)
+            acc = acc * rescale[:, None] + tl.sum(partial * weight[:, :, None], axis=1)
+            top = new_top
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        _store_rounded(out_ptr + tokens[:, None] * stride_o_t + heads[:, None] * stride_o_h + dims[None, :], out, 1.0,
+                       _rows_mask(row_valid, dims, HEAD_DIM, BLOCK_D))
 
 
 @triton.jit(do_not_specialize=RUNTIME_INTS, do_not_specialize_on_alignment=METADATA_POINTERS)
@@ -531,12 +587,13 @@ def varlen_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
 def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_scale=1.0, v_scale=1.0, *,
                      num_splits=None, block_n=None, num_warps=None, num_stages=None, prefetch_pages=None,
                      programs_per_multiprocessor=None, max_split_keys=None, widen_v=None,
-                     maxnreg=None) -> torch.Tensor:
+                     maxnreg=None, merge_in_kernel=None) -> torch.Tensor:
     """Split-KV attention for batches with short query blocks per sequence: one query (decode) or up to
     ``split_kv_max_query_len`` (draft verification, drafter blocks; causal or not, as ``meta`` says). Tiling
     defaults per cache dtype (``prefetch_pages``, ``widen_v`` and ``programs_per_multiprocessor``, which sizes the
     default split count, too); ``num_splits`` sets the splits per sequence (``_seq_split``), ``maxnreg`` caps the
-    registers of a program (``DecodeTiling.maxnreg``)."""
+    registers of a program (``DecodeTiling.maxnreg``), ``merge_in_kernel`` whether short rows' splits are merged
+    by their last program (default ``MERGE_IN_KERNEL``) or by a merge kernel."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs, num_kv_heads = meta.seq_lens.shape[0], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -554,13 +611,16 @@ def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
     max_split_tiles = max_split_tiles_for(block_n, max_split_keys)
     num_splits = grid_splits(meta.max_seq_len, block_n, splits_per_seq, max_split_tiles)
     single = num_splits == 1
+    merge_rows = in_kernel_merge_rows(meta.max_query_len, group, single,
+                                      MERGE_IN_KERNEL if merge_in_kernel is None else merge_in_kernel)
     block_d = _block_d(head_dim)
     # Dummy 1-element partials when unused: the kernel never touches them, but it needs valid pointers.
     partial_out = query.new_empty((1,) if single else (num_tokens, num_q_heads, num_splits, block_d),
                                   dtype=torch.float32)
     partial_lse = query.new_empty((1,) if single else (num_tokens, num_q_heads, num_splits), dtype=torch.float32)
+    counters = merge_counters(query.device, num_seqs * num_kv_heads) if merge_rows else partial_lse
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, out, partial_out, partial_lse,
+        query, k_cache, v_cache, out, partial_out, partial_lse, counters,
         meta.block_tables, meta.query_start_loc, meta.seq_lens,
         scale * _fp8_scale(k_cache, k_scale) * LOG2E, _fp8_scale(v_cache, v_scale),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -573,9 +633,10 @@ def decode_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale, k_
         MAX_SPLIT_TILES=max_split_tiles, WIDEN_V=(tiling.widen_v if widen_v is None else widen_v)
         and k_cache.dtype == FP8_DTYPE, SAME_PAGE_STRIDE=_same_page_stride(k_cache, v_cache),
         num_warps=num_warps or tiling.num_warps, num_stages=num_stages or tiling.num_stages,
+        MERGE_ROWS=merge_rows, MERGE_SPLITS=max(1, MERGE_ELEMENTS // max(merge_rows, 1)),
         **_pdl_args(query.device), **_register_cap(maxnreg or tiling.maxnreg, query.device),
     )
-    if not single:
+    if not single and not merge_rows:
         _decode_reduce_kernel[(num_seqs, num_q_heads, meta.max_query_len)](
             partial_out, partial_lse, out, meta.query_start_loc, meta.seq_lens,
             out.stride(0), out.stride(1), num_q_heads, num_splits, splits_per_seq,
@@ -596,6 +657,47 @@ def varlen_block_m(max_query_len: int, group: int) -> int:
 def decode_block_m(max_query_len: int, group: int) -> int:
     """Query rows of a split-KV program (its queries times the group; at most ``SPLIT_KV_MAX_ROWS``)."""
     return max(16, triton.next_power_of_2(max_query_len * group))
+
+
+# Whether a split-KV launch of short rows (a program's queries x the GQA group within 16, as decode tokens are)
+# merges its splits in the last program of each (seq, kv head) to finish instead of in a merge kernel launched
+# after it (``_merge_in_last_program``). Blocks of more rows keep the merge kernel: one program would merge up to
+# 64 rows' partials alone.
+MERGE_IN_KERNEL = True
+# Partial elements ([rows, splits] per chunk) that program merges at a time: 16 splits of a decode token's 4 heads.
+MERGE_ELEMENTS = 64
+
+
+def in_kernel_merge_rows(max_query_len: int, group: int, single: bool, enabled: bool = True) -> int:
+    """The rows (a power of two, at least 2) the last split program merges, 0 where a merge kernel does or there
+    is nothing to merge (one split). The same for a graph and an eager step of the same rows."""
+    rows = max_query_len * group
+    if single or not enabled or rows > 16:
+        return 0
+    return max(2, triton.next_power_of_2(rows))
+
+
+# Per (device, stream), or per thread under the interpreter: the counters in-kernel merges count splits in. Two
+# launches in flight at once (two streams, two threads) never share a set; a set outgrown is kept for the CUDA
+# graphs that captured it.
+_MERGE_COUNTERS: dict[tuple, torch.Tensor] = {}
+_OUTGROWN_COUNTERS: list[torch.Tensor] = []
+
+
+def merge_counters(device: torch.device, needed: int) -> torch.Tensor:
+    """Zeroed int32 counters, at least ``needed`` of them (one per sequence and kv head), for the launches on this
+    device's current stream. Every launch leaves them zero: the last program of each (seq, kv head) resets its own.
+    A set made during a graph capture is made in the graph's memory pool, which it keeps (its zeroing, replayed
+    with the graph, finds them zero anyway)."""
+    key = ((device.type, device.index, torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda"
+           else (device.type, threading.get_ident()))
+    counters = _MERGE_COUNTERS.get(key)
+    if counters is None or counters.numel() < needed:
+        if counters is not None:
+            _OUTGROWN_COUNTERS.append(counters)
+        counters = torch.zeros(max(1024, triton.next_power_of_2(needed)), dtype=torch.int32, device=device)
+        _MERGE_COUNTERS[key] = counters
+    return counters
 
 
 # Partials a merge program loads at once (``_decode_reduce_kernel``): one size, so one compile.
@@ -668,8 +770,9 @@ def precompile(num_q_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, q
                 meta.seq_lens = torch.tensor([context], dtype=torch.int32, device=device)
                 splits = grid_splits(context, block_n, wanted, max_split_tiles)
                 decode_attention(query, k_cache, v_cache, meta, 1.0, k_scale, v_scale, num_splits=wanted)
-                launched.add(("decode", decode_block_m(q, group), causal and q > 1, splits == 1))
-                if splits > 1:
+                merge_rows = in_kernel_merge_rows(q, group, splits == 1, MERGE_IN_KERNEL)
+                launched.add(("decode", decode_block_m(q, group), causal and q > 1, splits == 1, merge_rows))
+                if splits > 1 and not merge_rows:
                     launched.add(("reduce",))
         q *= 2
     return launched

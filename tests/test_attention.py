@@ -14,6 +14,7 @@ if not _has_cuda_device():
 
 import dataclasses  # noqa: E402
 import math  # noqa: E402
+import threading  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -400,18 +401,75 @@ def test_triton_decode_attention_matches_torch(query_dtype, cache_dtype, kv_scal
 
 
 @pytest.mark.triton
-def test_a_merge_of_more_splits_than_it_loads_at_once_takes_them_all():
-    """40 splits of one tile: the merge takes their partials 16 at a time (REDUCE_BLOCK_S), in three rounds, and
-    weighs every split against the same maximum; a short sequence beside it has one split and writes its own."""
+@pytest.mark.parametrize("merge_in_kernel", [False, True])
+def test_a_merge_of_more_splits_than_it_loads_at_once_takes_them_all(merge_in_kernel):
+    """40 splits of one tile: the merge kernel takes their partials 16 at a time (REDUCE_BLOCK_S), the last split
+    program 16 per row of a decode token's 4 heads (MERGE_ELEMENTS), in three rounds either way, rescaling what it
+    has summed when a later round holds a larger maximum; a short sequence beside it has one split and writes its
+    own."""
     from engine import triton_attention as ta
 
-    assert ta.REDUCE_BLOCK_S < 40
+    assert ta.REDUCE_BLOCK_S < 40 and ta.MERGE_ELEMENTS // 4 < 40
     block_n = ta.decode_block_n(make_layer_caches(1, 16, torch.float32)[1])
     meta, k_cache, v_cache, query = _triton_case(torch.float32, torch.float32, 1.0, 16,
                                                  [(40 * block_n - 1, 1), (5, 1)], num_q_heads=8)
     out = ta.decode_attention(query, k_cache, v_cache, meta, 0.2, num_splits=40,
-                              max_split_keys=40 * block_n)
+                              max_split_keys=40 * block_n, merge_in_kernel=merge_in_kernel)
     assert rel_err(out, run("torch", query, k_cache, v_cache, meta, 0.2)) < 1e-5
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("num_q_heads,causal", [(2, True), (8, False), (8, True)])   # GQA groups of 1 and 4
+def test_decode_rows_merge_their_splits_in_the_last_program(num_q_heads, causal, monkeypatch):
+    """Decode rows (a query x the GQA group, within 16 rows) merge their splits in the split kernel's last program
+    of each (seq, kv head): no merge kernel is launched, the output matches torch and the merge kernel's, and the
+    counters are all zero again after the launch, so a second launch (a graph's replay, the next layer) merges
+    too. A sequence with no query this step and short sequences of one split count nothing. Launches that may run
+    at once (on another CUDA stream; under the interpreter, from another thread) get counters of their own."""
+    from engine import triton_attention as ta
+
+    reduces = []
+    merge_kernel = ta._decode_reduce_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            reduces.append(grid)
+            return merge_kernel[grid]
+
+    monkeypatch.setattr(ta, "_decode_reduce_kernel", Counting())
+    meta, k_cache, v_cache, query = _triton_case(torch.float32, torch.float32, 1.0, 16, DECODE_BATCH + [(21, 0)],
+                                                 num_q_heads=num_q_heads)
+    meta.causal = causal
+    ref = run("torch", query, k_cache, v_cache, meta, 0.2)
+    counters = ta.merge_counters(query.device, 0)
+    merged = [ta.decode_attention(query, k_cache, v_cache, meta, 0.2, num_splits=5) for _ in range(2)]
+    assert reduces == [] and counters is ta.merge_counters(query.device, 0) and not counters.any()
+    for out in merged:
+        assert rel_err(out, ref) < 1e-5
+    assert torch.equal(merged[0], merged[1])
+    by_kernel = ta.decode_attention(query, k_cache, v_cache, meta, 0.2, num_splits=5, merge_in_kernel=False)
+    assert len(reduces) == 1
+    torch.testing.assert_close(merged[0], by_kernel, rtol=1e-6, atol=1e-6)
+    if query.device.type == "cuda":
+        with torch.cuda.stream(torch.cuda.Stream(query.device)):
+            assert ta.merge_counters(query.device, 0) is not counters
+    else:
+        other = []
+        thread = threading.Thread(target=lambda: other.append(ta.merge_counters(query.device, 0)))
+        thread.start()
+        thread.join()
+        assert other[0] is not counters
+
+
+def test_only_short_rows_are_merged_in_the_split_kernel():
+    """The last program merges up to 16 rows (a decode token's group, a few tokens of a small group), a power of
+    two of at least 2; longer blocks, one split (nothing to merge) and the setting off leave it to the merge
+    kernel."""
+    from engine.triton_attention import in_kernel_merge_rows as rows
+
+    assert rows(1, 4, False) == 4 and rows(1, 1, False) == 2 and rows(3, 4, False) == 16 and rows(2, 8, False) == 16
+    assert rows(5, 4, False) == 0 and rows(16, 4, False) == 0
+    assert rows(1, 4, True) == 0 and rows(1, 4, False, enabled=False) == 0
 
 
 @pytest.mark.triton
@@ -639,11 +697,14 @@ def test_precompile_launches_every_variant_a_step_can_take(cache_dtype, num_q_he
             wanted = ta.splits_per_sequence(num_seqs, NUM_KV_HEADS, torch.device(DEVICE))
             for seq_len in range(q, max_seq_len + 1):
                 splits = ta.grid_splits(seq_len, block_n, wanted, ta.max_split_tiles_for(block_n))
-                needed.add(("decode", ta.decode_block_m(q, group), causal and q > 1, splits == 1))
-                if splits > 1:
+                merge_rows = ta.in_kernel_merge_rows(q, group, splits == 1)
+                needed.add(("decode", ta.decode_block_m(q, group), causal and q > 1, splits == 1, merge_rows))
+                if splits > 1 and not merge_rows:
                     needed.add(("reduce",))
     assert needed <= launched, needed - launched
-    assert ("reduce",) in needed and ("decode", 16, False, True) in needed
+    assert ("decode", 16, False, True, 0) in needed
+    assert any(key[0] == "decode" and key[4] for key in needed)            # decode rows merged in the split kernel
+    assert ("reduce",) in needed                                          # blocks of more rows
 
 
 def test_kernels_do_not_specialise_on_values_that_vary_between_steps():

@@ -48,6 +48,11 @@ DECODE = {f"decode {cache}{' widened' if widen else ''}": (
     for cache, block_n, dot, prefetch, widen in (("fp8e4nv", 128, "fp16", True, False),
                                                  ("fp8e4nv", 128, "fp16", True, True),
                                                  ("bf16", 64, "bf16", False, False))}
+# Decode tokens' splits merged by the last program of each (seq, kv head) (``_merge_in_last_program``).
+_FP8_DECODE = DECODE["decode fp8e4nv"]
+MERGED = {"decode fp8e4nv merged": (_FP8_DECODE[0], {**_FP8_DECODE[1], "partial_out_ptr": "*fp32",
+                                                     "merge_count_ptr": "*i32"},
+                                    {**_FP8_DECODE[2], "MERGE_ROWS": 4, "MERGE_SPLITS": 16}, 3)}
 
 # Each kernel of a few-row step compiled to launch programmatically dependent (``triton_attention.PDL``).
 NORM_TYPES = {**{p: "*bf16" for p in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "sum_ptr")}, "eps": "fp32"}
@@ -92,9 +97,9 @@ def _compile_all(variants: dict) -> dict:
 @pytest.fixture(scope="module")
 def codegen():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = ("import json, sys; from tests.test_kernel_codegen import DECODE, LINEARS, PDL_VARIANTS, QK_NORM_ROPE, "
-              "_compile_all; json.dump(_compile_all({**LINEARS, **QK_NORM_ROPE, **DECODE, **PDL_VARIANTS}), "
-              "sys.stdout)")
+    script = ("import json, sys; from tests.test_kernel_codegen import DECODE, LINEARS, MERGED, PDL_VARIANTS, "
+              "QK_NORM_ROPE, _compile_all; json.dump(_compile_all({**LINEARS, **QK_NORM_ROPE, **DECODE, **MERGED, "
+              "**PDL_VARIANTS}), sys.stdout)")
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -153,6 +158,21 @@ def test_fp8_v_widened_as_it_arrives_reaches_the_tensor_cores_without_byte_wide_
     assert re.search(byte_loads, at_product) and not re.search(transposed, at_product)
     assert re.search(transposed, widened) and not re.search(byte_loads, widened)
 
+
+def test_the_last_split_reads_the_others_partials_only_after_they_are_published(codegen):
+    """Merged in the split kernel, a decode token's splits publish their partials in order: every thread's
+    partial stores, a block barrier, then one thread's acquire-release count at GPU scope; after that count (and
+    the barrier that shares its result) the last program resets the counter and reads the partials past L1, 16
+    bytes at a time. The plain kernel has no atomic."""
+    ptx = codegen["decode fp8e4nv merged"]["ptx"]
+    count = re.search(r"atom\.global\.gpu\.acq_rel\.add\.u32", ptx)
+    assert count and "atom" not in codegen["decode fp8e4nv"]["ptx"]
+    before, after = ptx[:count.start()], ptx[count.end():]
+    assert before.rfind("bar.sync") > before.rfind("st.global")
+    reset = re.search(r"atom\.global\.gpu\.\w+\.exch", after)
+    partials = re.search(r"ld\.global\.cg\.v4\.b32", after)
+    assert reset and partials and after.find("bar.sync") < reset.start() < partials.start()
+    assert not re.search(r"ld\.global\.(?!cg)", after[reset.start():])
 
 
 @pytest.mark.parametrize("name", list(PDL_VARIANTS))
