@@ -191,15 +191,19 @@ def main():
 
         max_seqs = max(64, max(batches))
         engines = {}
+        model = None
         for mode in modes:
             graphs, overlap = mode[:2]
             if device.type == "cpu":
                 engines[mode] = LLM(tmp, dtype=str(dtype).removeprefix("torch."), max_num_batched_tokens=8192,
                                     max_num_seqs=max_seqs, page_size=16, cuda_graphs=graphs, overlap=overlap).engine
             else:
-                # Share transformers' weights instead of writing 16 GB to disk.
-                cfg = Qwen3Config.from_dict({**preset, "rms_norm_eps": 1e-6, "rope_theta": 1e6})
-                model = Qwen3Model(cfg, dict(hf.state_dict()), device, dtype, "random")
+                # Share transformers' weights instead of writing 16 GB to disk, and one model among the modes'
+                # engines (it holds no engine's state): a model each (its fused projections are copies) left an
+                # 80 GB GPU too little for transformers' batch of 128.
+                if model is None:
+                    cfg = Qwen3Config.from_dict({**preset, "rms_norm_eps": 1e-6, "rope_theta": 1e6})
+                    model = Qwen3Model(cfg, dict(hf.state_dict()), device, dtype, "random")
                 with linears(mode):
                     engines[mode] = build_engine_from_model(
                         model, EngineConfig(model="random", device=args.device,
@@ -214,7 +218,14 @@ def main():
         for batch in batches:
             g = torch.Generator().manual_seed(batch)
             prompts = torch.randint(0, c["vocab_size"], (batch, args.prompt_len), generator=g).tolist()
-            h_prefill, h_step = time_hf(hf, prompts, args.out_len)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()    # the engines' freed activations, for transformers' prefill
+            try:
+                h_prefill, h_step = time_hf(hf, prompts, args.out_len)
+            except torch.OutOfMemoryError:
+                print(f"batch {batch}: transformers ran out of device memory; its columns are nan")
+                h_prefill = h_step = float("nan")
+                torch.cuda.empty_cache()
             ctx = args.prompt_len + args.out_len // 2
             # Bytes read over the copy bandwidth, which counts read + write: a copy moves twice the bytes it
             # reads, so read-only traffic streams at about that rate (half of it made the floor twice too long).
