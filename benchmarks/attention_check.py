@@ -397,12 +397,15 @@ def sweep(attention, ta, shapes, bench, bandwidth, device, torch):
                     t = bench.graph_ms(case.all_layers(ta.varlen_attention, **kw)) * 1e3
                     print(f"{name} p{page_size} {dtype_name(attention, cache_dtype)} varlen {kw}: {t:8.2f} us",
                           flush=True)
-    for contexts, splits in (([1024] * 32, ()), ([4096] * 32, (1, 2, 4)), ([1024] * 128, ()), ([4096] * 8, ()),
-                             ([1024], (4, 16)), ([4096], (8, 16, 64))):
+    # Split counts, and the merge kernel in place of the last program's merge (``merge_in_kernel=False``).
+    for contexts, splits in (([1024] * 32, (1, 2)), ([4096] * 32, (1, 2, 4)), ([1024] * 128, ()),
+                             ([4096] * 8, (2, 4, 8)), ([1024], (4, 16)), ([4096], (8, 16, 32, 64)),
+                             ([8192], (16, 32)), ([16384], (16, 32))):
         for cache_dtype in (attention.FP8_DTYPE, torch.bfloat16):
             case = decode_case(attention, shapes, contexts, 16, cache_dtype, device)
             floor = (case.kv_bytes() + case.query.numel() * case.query.element_size()) / bandwidth * 1e6
-            variants = [dict()] + list(tilings[cache_dtype]) + [dict(num_splits=n) for n in splits]
+            variants = ([dict()] + list(tilings[cache_dtype]) + [dict(num_splits=n) for n in splits]
+                        + [dict(merge_in_kernel=False)])
             for kw in variants:
                 try:
                     t = bench.graph_ms(case.all_layers(ta.decode_attention, **kw)) / case.layers * 1e3
