@@ -404,12 +404,12 @@ def test_triton_decode_attention_matches_torch(query_dtype, cache_dtype, kv_scal
 @pytest.mark.parametrize("merge_in_kernel", [False, True])
 def test_a_merge_of_more_splits_than_it_loads_at_once_takes_them_all(merge_in_kernel):
     """40 splits of one tile: the merge kernel takes their partials 16 at a time (REDUCE_BLOCK_S), the last split
-    program 16 per row of a decode token's 4 heads (MERGE_ELEMENTS), in three rounds either way, rescaling what it
-    has summed when a later round holds a larger maximum; a short sequence beside it has one split and writes its
-    own."""
+    program 16 or 32 per row of a decode token's 4 heads (``merge_splits``), in three rounds or two, rescaling what
+    it has summed when a later round holds a larger maximum; a short sequence beside it has one split and writes
+    its own."""
     from engine import triton_attention as ta
 
-    assert ta.REDUCE_BLOCK_S < 40 and ta.MERGE_ELEMENTS // 4 < 40
+    assert ta.REDUCE_BLOCK_S < 40 and ta.merge_splits(4, 40) < 40
     block_n = ta.decode_block_n(make_layer_caches(1, 16, torch.float32)[1])
     meta, k_cache, v_cache, query = _triton_case(torch.float32, torch.float32, 1.0, 16,
                                                  [(40 * block_n - 1, 1), (5, 1)], num_q_heads=8)
@@ -599,15 +599,17 @@ def test_blocks_of_more_than_16_rows_take_the_block_tiling(monkeypatch):
 
 @pytest.mark.triton
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("num_splits", [None, 3])
-def test_each_sequence_splits_by_its_own_length_so_graphs_and_eager_steps_sum_alike(causal, num_splits):
+@pytest.mark.parametrize("num_splits", [None, 3, 32])   # 32: decode rows merge 32 splits a round (batch 1)
+@pytest.mark.parametrize("queries", [(16, 9, 1), (1, 1, 1)])  # blocks (the merge kernel), decode rows (in-kernel)
+def test_each_sequence_splits_by_its_own_length_so_graphs_and_eager_steps_sum_alike(causal, num_splits, queries):
     """A CUDA graph's metadata has max_seq_len = the whole capacity, an eager step's the batch's longest sequence:
     the grids differ (2 splits against 32 here), but every sequence's keys are cut at the same places, chosen from
-    its own length, so the results are bit-identical (a graphed and an eager engine decode and verify alike)."""
+    its own length, and merged in the same rounds, so the results are bit-identical (a graphed and an eager engine
+    decode and verify alike)."""
     from engine import triton_attention as ta
 
-    meta, k_cache, v_cache, query = _triton_case(torch.float32, torch.float32, 1.0, 16, [(64, 16), (20, 9), (3, 1)],
-                                                 num_q_heads=8)
+    meta, k_cache, v_cache, query = _triton_case(torch.float32, torch.float32, 1.0, 16,
+                                                 list(zip((300, 20, 3), queries)), num_q_heads=8)
     meta.causal = causal
     eager = ta.decode_attention(query, k_cache, v_cache, meta, 0.2, num_splits=num_splits)
     assert rel_err(eager, run("torch", query, k_cache, v_cache, meta, 0.2)) < 1e-5
@@ -698,12 +700,14 @@ def test_precompile_launches_every_variant_a_step_can_take(cache_dtype, num_q_he
             for seq_len in range(q, max_seq_len + 1):
                 splits = ta.grid_splits(seq_len, block_n, wanted, ta.max_split_tiles_for(block_n))
                 merge_rows = ta.in_kernel_merge_rows(q, group, splits == 1)
-                needed.add(("decode", ta.decode_block_m(q, group), causal and q > 1, splits == 1, merge_rows))
+                needed.add(("decode", ta.decode_block_m(q, group), causal and q > 1, splits == 1, merge_rows,
+                            merge_rows and ta.merge_splits(merge_rows, wanted)))
                 if splits > 1 and not merge_rows:
                     needed.add(("reduce",))
     assert needed <= launched, needed - launched
-    assert ("decode", 16, False, True, 0) in needed
-    assert any(key[0] == "decode" and key[4] for key in needed)            # decode rows merged in the split kernel
+    assert ("decode", 16, False, True, 0, 0) in needed
+    # Decode rows merged in the split kernel, in rounds of both sizes (batch 1, larger batches).
+    assert len({key[5] for key in needed if key[0] == "decode" and key[4]}) >= 2
     assert ("reduce",) in needed                                          # blocks of more rows
 
 
