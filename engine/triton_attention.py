@@ -699,7 +699,8 @@ def merge_counters(device: torch.device, needed: int) -> torch.Tensor:
     """Zeroed int32 counters, at least ``needed`` of them (one per sequence and kv head), for the launches on this
     device's current stream. Every launch leaves them zero: the last program of each (seq, kv head) resets its own.
     A set made during a graph capture is made in the graph's memory pool, which it keeps (its zeroing, replayed
-    with the graph, finds them zero anyway)."""
+    with the graph, finds them zero anyway). Graphs captured on one stream share its set, so two of them must not
+    replay at once on two streams; an engine replays its graphs one after another on its own stream."""
     key = ((device.type, device.index, torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda"
            else (device.type, threading.get_ident()))
     counters = _MERGE_COUNTERS.get(key)
