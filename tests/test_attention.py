@@ -419,9 +419,10 @@ def test_a_merge_of_more_splits_than_it_loads_at_once_takes_them_all(merge_in_ke
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("num_q_heads,causal", [(2, True), (8, False), (8, True)])   # GQA groups of 1 and 4
-def test_decode_rows_merge_their_splits_in_the_last_program(num_q_heads, causal, monkeypatch):
-    """Decode rows (a query x the GQA group, within 16 rows) merge their splits in the split kernel's last program
+@pytest.mark.parametrize("num_q_heads,causal,queries", [(2, True, 1), (8, False, 1), (8, True, 1), (8, True, 3)])
+def test_decode_rows_merge_their_splits_in_the_last_program(num_q_heads, causal, queries, monkeypatch):
+    """Decode rows (a query x the GQA group, within 16 rows: GQA groups of 1 and 4, and 3 causal queries of a group
+    of 4, whose early rows see no key of the last splits) merge their splits in the split kernel's last program
     of each (seq, kv head): no merge kernel is launched, the output matches torch and the merge kernel's, and the
     counters are all zero again after the launch, so a second launch (a graph's replay, the next layer) merges
     too. A sequence with no query this step and short sequences of one split count nothing. Launches that may run
@@ -437,10 +438,11 @@ def test_decode_rows_merge_their_splits_in_the_last_program(num_q_heads, causal,
             return merge_kernel[grid]
 
     monkeypatch.setattr(ta, "_decode_reduce_kernel", Counting())
-    meta, k_cache, v_cache, query = _triton_case(torch.float32, torch.float32, 1.0, 16, DECODE_BATCH + [(21, 0)],
-                                                 num_q_heads=num_q_heads)
+    spec = [(ctx, queries if q else 0) for ctx, q in DECODE_BATCH + [(21, 0)]]
+    meta, k_cache, v_cache, query = _triton_case(torch.float32, torch.float32, 1.0, 16, spec, num_q_heads=num_q_heads)
     meta.causal = causal
     ref = run("torch", query, k_cache, v_cache, meta, 0.2)
+    assert ta.in_kernel_merge_rows(meta.max_query_len, num_q_heads // NUM_KV_HEADS, False) > 0
     counters = ta.merge_counters(query.device, 0)
     merged = [ta.decode_attention(query, k_cache, v_cache, meta, 0.2, num_splits=5) for _ in range(2)]
     assert reduces == [] and counters is ta.merge_counters(query.device, 0) and not counters.any()
