@@ -1,7 +1,7 @@
 """The engine's GPU tests and benchmarks in one go (issue 12), on one GPU machine (torch only: no Ray, no NIXL),
 printing one table at the end:
 
-    python3 benchmarks/gpu_suite.py --out out/gpu_suite                          # ~10 min on one GPU (--only splits it)
+    python3 benchmarks/gpu_suite.py --out out/gpu_suite                          # over 10 min cold: --only splits it
     .venv/bin/python benchmarks/gpu_suite.py --device cpu --out out/gpu_suite    # the same steps, small, on CPU
 
 Each step runs in a process of its own under a time limit, its whole output kept in ``--out``:
