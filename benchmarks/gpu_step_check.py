@@ -18,10 +18,10 @@ per step, on the demo pair.
    Off CUDA the graphs' static padded inputs run eagerly (nothing is captured).
 5. Overlap (issue 12, item 4), the target alone and with the drafter: with steps launched ahead of the host
    (``overlap: on``) a batch of rows ending at different steps (max_tokens, a stop token; greedy, and a seeded
-   sampled row for the target alone), together and then arriving one every 3 steps while the others decode,
-   decodes the tokens (and per-step AL) of the same engine with ``overlap: off``, in float32 and bf16; steps did
-   launch ahead; the syncs the debug mode sees per decode step (the token read waits
-   on an event, which it does not count: expect 0); the median decode step of each.
+   sampled row, drafted and rejection-sampled ahead with the drafter), together and then arriving one every 3 steps
+   while the others decode, decodes the tokens (and per-step AL) of the same engine with ``overlap: off``, in float32
+   and bf16; steps did launch ahead; the syncs the debug mode sees per decode step (the token read waits on an event,
+   which it does not count: expect 0); the median decode step of each.
 6. No compile while serving: after an engine starts (its ``precompile_kernels``), a closed loop of 16 requests at
    a time (held-out prompts and short ones of 1-33 tokens, 1-48 new tokens each, arriving as others finish)
    makes Triton compile nothing (a compile inside a step stalls every request for 1-2 s), float32 and bf16 with
@@ -175,9 +175,8 @@ def overlap_matches_sync(device: str, prompts: list[str], max_tokens: int) -> li
                 kinds = [SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                          SamplingParams(max_tokens=max_tokens // 2, ignore_eos=True),
                          SamplingParams(max_tokens=max_tokens, stop_token_ids=[free[5]], ignore_eos=True)]
-                if not drafter:       # sampled rows are not drafted ahead: with the drafter they end the overlap
-                    kinds.append(SamplingParams(max_tokens=max_tokens, temperature=0.8, top_k=20, seed=3,
-                                                ignore_eos=True))
+                # Seeded sampled rows: with the drafter their drafts are drawn and rejection-sampled ahead too.
+                kinds.append(SamplingParams(max_tokens=max_tokens, temperature=0.8, top_k=20, seed=3, ignore_eos=True))
                 # The batch together, then the same requests arriving one every 3 steps while the others decode
                 # (with overlap on, each arrival has the batch read and rescheduled).
                 together = {0: [(prompt, kinds[i % len(kinds)], str(i)) for i, prompt in enumerate(ids)]}

@@ -24,22 +24,33 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _generate(engine, prompts, params, batch):
+    """``params``: one ``SamplingParams`` for every prompt, or one per prompt."""
     outputs = []
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     t = time.perf_counter()
     for i in range(0, len(prompts), batch):
-        reqs = [engine.add_request(p, params) for p in prompts[i:i + batch]]
+        reqs = [engine.add_request(p, sp) for p, sp in zip(prompts[i:i + batch], per_prompt[i:i + batch])]
         while engine.has_unfinished():
             engine.step()
         outputs.extend(reqs)
     return outputs, time.perf_counter() - t
 
 
-def run(engine, prompts, max_tokens, batch, phases=True):
-    """Tokens/s of the prompts in batches of ``batch``; then, with ``phases``, the same again with the step's
-    phases timed (each phase ends in a device sync, so that pass is slower and only gives the split)."""
+def sampling(max_tokens: int, count: int, temperature: float = 0.0) -> list:
+    """Greedy parameters for ``count`` prompts, or (``temperature`` > 0) seeded sampled ones, prompt i with seed i:
+    two engines that draw alike give the same tokens."""
     from engine import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    if temperature <= 0:
+        return [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * count
+    return [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, ignore_eos=True)
+            for i in range(count)]
+
+
+def run(engine, prompts, max_tokens, batch, phases=True, temperature=0.0):
+    """Tokens/s of the prompts in batches of ``batch``; then, with ``phases``, the same again with the step's
+    phases timed (each phase ends in a device sync, so that pass is slower and only gives the split)."""
+    params = sampling(max_tokens, len(prompts), temperature)
     outputs, elapsed = _generate(engine, prompts, params, batch)
     if phases:
         engine.phase_seconds = dict.fromkeys(engine.phase_seconds, 0.0)
@@ -52,6 +63,47 @@ def run(engine, prompts, max_tokens, batch, phases=True):
     return dict(tokens_per_s=tokens / elapsed, seconds=elapsed, tokens=tokens,
                 mean_al=(1 + accepted / drafts) if drafts else None,
                 phases=dict(engine.phase_seconds), outputs=[r.output_token_ids for r in outputs])
+
+
+def overlap_ab(args, engine, prompts) -> None:
+    """The with-drafter engine synchronous and overlapped, taking turns ``args.repeats`` times (medians), on the same
+    requests; seeded requests must decode the same tokens both ways."""
+    if engine.model.device.type != "cuda":       # a check of the script: the graphs' static inputs run eagerly
+        engine.enable_cuda_graphs(capture=False)
+    # Every pass sends the same prompts: a prefix hit would change what a prefill computes (other kernels, other
+    # last bits), and a sampled row's draws with it.
+    engine.kv.enable_prefix_caching = False
+    modes = {"synchronous": False, "overlapped": True}
+
+    def timed(overlapped: bool, count: int, max_tokens: int) -> dict:
+        engine.overlap, before = overlapped, engine.num_overlapped_steps
+        try:
+            result = run(engine, prompts[:count], max_tokens, args.batch, phases=False, temperature=args.temperature)
+        finally:
+            engine.overlap = True
+        return {**result, "steps_ahead": engine.num_overlapped_steps - before}
+
+    for overlapped in modes.values():                            # warm-up
+        timed(overlapped, 2, 8)
+    passes = [{name: timed(overlapped, len(prompts), args.max_tokens) for name, overlapped in modes.items()}
+              for _ in range(args.repeats)]
+    ratios = sorted(p["overlapped"]["tokens_per_s"] / p["synchronous"]["tokens_per_s"] for p in passes)
+    same = all(p["overlapped"]["outputs"] == p["synchronous"]["outputs"] for p in passes)
+    kind = "greedy" if args.temperature <= 0 else f"seeded, temperature {args.temperature:g}"
+    print(f"preset {args.preset} device {args.device} batch {args.batch}: {len(prompts)} prompts x "
+          f"{args.max_tokens} tokens ({kind}), with the drafter; tokens identical both ways: {same}")
+    for name in modes:
+        best = sorted(p[name]["tokens_per_s"] for p in passes)
+        al = passes[0][name]["mean_al"]
+        print(f"{name:12s} {best[len(best) // 2]:9.1f} tok/s   mean AL {al:.2f}   steps launched ahead "
+              f"{passes[0][name]['steps_ahead']}   (passes: "
+              + ", ".join(f"{t:.1f}" for t in best) + ")")
+    print(f"overlapped / synchronous {ratios[len(ratios) // 2]:.2f}x (per pass, sorted: "
+          + ", ".join(f"{r:.2f}" for r in ratios) + ")")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"ratios": ratios, "tokens_identical": same, "passes": [
+            {name: {k: v for k, v in r.items() if k != "outputs"} for name, r in p.items()} for p in passes]},
+            indent=1))
 
 
 def demo_engines(args):
@@ -137,6 +189,12 @@ def main():
                     help="torch: every linear on cuBLAS, without the few-row Triton kernel (triton_ops.linear); "
                          "fused / unfused: that kernel with or without the layers' norms, residual adds and SwiGLU "
                          "folded in (triton: the engine's default, triton_ops.FUSED_LAYERS)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: seeded sampled requests (prompt i with seed i) instead of greedy ones")
+    ap.add_argument("--overlap-ab", action="store_true",
+                    help="compare the with-drafter engine with its steps overlapped (the host launching step N+1 "
+                         "before reading N) against the same engine synchronous, taking turns; seeded requests must "
+                         "give the same tokens both ways")
     ap.add_argument("--profile", action="store_true", help="kernels and GPU busy time of a few with-drafter steps")
     ap.add_argument("--host", action="store_true",
                     help="cProfile the host's Python over the with-drafter generation (top functions by own and by "
@@ -149,12 +207,15 @@ def main():
         triton_ops.SKINNY_MAX_ROWS = 0
     triton_ops.FUSED_LAYERS = {"fused": True, "unfused": False}.get(args.linears, triton_ops.FUSED_LAYERS)
     base, spec, prompts = demo_engines(args) if args.preset == "demo" else random_engines(args)
+    if args.overlap_ab:
+        overlap_ab(args, spec, prompts)
+        return
     run(base, prompts[:2], 8, args.batch, phases=False)          # warm-up
     run(spec, prompts[:2], 8, args.batch, phases=False)
     passes = []
     for i in range(args.repeats):                               # taking turns; the phase pass only once
-        passes.append((run(base, prompts, args.max_tokens, args.batch, phases=i == 0),
-                       run(spec, prompts, args.max_tokens, args.batch, phases=i == 0)))
+        passes.append((run(base, prompts, args.max_tokens, args.batch, phases=i == 0, temperature=args.temperature),
+                       run(spec, prompts, args.max_tokens, args.batch, phases=i == 0, temperature=args.temperature)))
     ratios = sorted(sb["tokens_per_s"] / bb["tokens_per_s"] for bb, sb in passes)
     speedup = ratios[len(ratios) // 2]
     b = sorted((bb for bb, _ in passes), key=lambda r: r["tokens_per_s"])[len(passes) // 2]
@@ -162,8 +223,10 @@ def main():
     b["phases"], s["phases"] = passes[0][0]["phases"], passes[0][1]["phases"]
     lossless = all(bb["outputs"] == sb["outputs"] for bb, sb in passes)
     total = sum(s["phases"].values())
+    same = f"greedy outputs identical: {lossless}" if args.temperature <= 0 else \
+        f"sampled at temperature {args.temperature:g} (outputs differ by design)"
     print(f"preset {args.preset} device {args.device} batch {args.batch}: {len(prompts)} prompts x "
-          f"{args.max_tokens} tokens; greedy outputs identical: {lossless}")
+          f"{args.max_tokens} tokens; {same}")
     print(f"target only   {b['tokens_per_s']:9.1f} tok/s")
     print(f"with drafter  {s['tokens_per_s']:9.1f} tok/s   speedup {speedup:.2f}x   mean AL "
           f"{s['mean_al']:.2f}   speedup/AL {speedup / s['mean_al']:.2f}")

@@ -83,14 +83,16 @@ class Speculator(Protocol):
         """Whether ``draft_ahead`` can run a batch of this many rows (overlap)."""
         ...
 
-    def draft_ahead(self, request_ids: Sequence[str], anchors: torch.Tensor, starts: torch.Tensor,
+    def draft_ahead(self, requests: Sequence[Request], anchors: torch.Tensor, starts: torch.Tensor,
                     context: torch.Tensor, context_lens: torch.Tensor,
-                    target_metadata: tuple[torch.Tensor, AttentionMetadata]) -> torch.Tensor:
-        """Greedy drafts ``[B, K]`` for blocks whose anchors ``[B, 1]`` and starts ``[B]`` are on the device (a step
-        launched from the previous one's results): first store each row's ``context_lens`` rows of ``context``
-        (the previous verification's captured hidden states, K + 1 rows a row) as the positions right before its
-        block. ``target_metadata``: the verification's positions and metadata at the same rows, for a drafter
-        whose layers share the target's pages."""
+                    target_metadata: tuple[torch.Tensor, AttentionMetadata]
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Drafts ``[B, K]`` of ``requests`` for blocks whose anchors ``[B, 1]`` and starts ``[B]`` are on the device
+        (a step launched from the previous one's results), chosen as ``propose`` chooses them, and the distributions
+        the sampled rows' drafts were drawn from (``[S, K, V]``, sampled rows in order; None if there are none).
+        First store each row's ``context_lens`` rows of ``context`` (the previous verification's captured hidden
+        states, K + 1 rows a row) as the positions right before its block. ``target_metadata``: the verification's
+        positions and metadata at the same rows, for a drafter whose layers share the target's pages."""
         ...
 
     # Tensor parallelism (ranks > 0 only): run a drafter forward rank 0 published.
@@ -140,6 +142,24 @@ class _Choice:
     def plain_order(self) -> list[int]:
         """The scheduled indices of the plain rows, in the order of their tokens in ``flat``."""
         return self.plain[True] + self.plain[False]
+
+    def blocks(self, q: int, kept: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the device, for the scheduled rows ``kept`` (in that order) of a step whose rows all verified ``q - 1``
+        drafts: their ``[len(kept), q]`` verified tokens and their ``[len(kept)]`` accept counts."""
+        token_at, count_at, at = [0] * self.num_rows, [0] * self.num_rows, len(self.plain_order)
+        for (k, _), group in self.spec.items():
+            if k != q - 1:
+                raise ValueError(f"a block of {k} drafts where every row should have {q - 1}")
+            for n, i in enumerate(group):
+                token_at[i], count_at[i] = at + n * q, at + len(group) * q + n
+            at += len(group) * (q + 1)
+        rows = len(kept)
+        if list(kept) == [i for group in self.spec.values() for i in group] and len(self.spec) == 1:
+            return self.flat[:rows * q].view(rows, q), self.flat[rows * q:rows * (q + 1)]    # one group, all kept
+        index = upload([token_at[i] + j for i in kept for j in range(q)] + [count_at[i] for i in kept], torch.int64,
+                       self.flat.device)
+        picked = self.flat[index]
+        return picked[:rows * q].view(rows, q), picked[rows * q:]
 
     def rows(self, host: list[int]) -> list[list[int]]:
         """``flat`` read back on the host, as each scheduled row's new tokens."""
@@ -548,8 +568,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step; returns an output for every request that made progress or finished.
 
-        With overlap, a batch of decode rows (plain, or speculative with full draft blocks; greedy or sampled
-        without drafts; no logits processing or logprobs) runs one step ahead of the host: while the batch is
+        With overlap, a batch of decode rows (plain, or speculative with full draft blocks; greedy or sampled; no
+        logits processing or logprobs) runs one step ahead of the host: while the batch is
         unchanged the step launches the next draft and forward from the device's tokens (and accept counts), then
         reads and processes the previous step's. A request that a token read then ends (EOS, a stop) had one more
         step computed for it, whose tokens are dropped and whose K/V lands past its end, in its own pages (never a
@@ -591,8 +611,7 @@ class LLMEngine:
             return False
         drafts = spec.num_spec_tokens if spec is not None else 0
         return all(s.is_decode and s.num_spec_tokens == drafts and s.request.logits_state is None
-                   and s.request.params.logprobs is None and (not drafts or s.request.params.greedy)
-                   for s in scheduled)
+                   and s.request.params.logprobs is None for s in scheduled)
 
     def _launch_ahead(self, launched: _Launched) -> _Launched | None:
         """The step after ``launched``, launched from its device results, for its rows still running (a finished or
@@ -639,29 +658,46 @@ class LLMEngine:
     def _speculate_ahead(self, launched: _Launched, kept: list[int]) -> _Launched:
         """A speculative step from the launched one's device results, for its kept rows: each row's block starts
         one past its accepted tokens, anchored at its bonus token; the drafter graph stores the accepted positions'
-        context first, then drafts; the target verifies; greedy acceptance on the device. The host sends only each
-        row's computed history length (the launched step's start) and block table row."""
+        context first, then drafts (greedy rows their argmax, sampled rows a draw); the target verifies; greedy rows
+        are accepted by exact match and sampled rows by rejection sampling, on the device, as ``_choose_tokens``
+        does. The host sends only each row's computed history length (the launched step's start) and block table
+        row."""
         spec = self.speculator
         q = spec.num_spec_tokens + 1
-        flat, captured = launched.choice.flat, launched.captured
-        n = len(launched.scheduled)
-        tokens, num_accepted = flat[:n * q].view(n, q), flat[n * q:]
-        if len(kept) < n:
-            index = upload(kept, torch.int64, flat.device)
-            tokens, num_accepted = tokens[index], num_accepted[index]
-            captured = captured.reshape(n, q, -1)[index].flatten(0, 1)
+        tokens, num_accepted = launched.choice.blocks(q, kept)
+        captured = launched.captured
+        if len(kept) < len(launched.scheduled):
+            index = upload(kept, torch.int64, captured.device)
+            captured = captured.reshape(len(launched.scheduled), q, -1)[index].flatten(0, 1)
         scheduled = [ScheduledRequest(launched.scheduled[i].request, 1, q - 1) for i in kept]
+        requests = [s.request for s in scheduled]
         n = len(scheduled)
-        request_ids = [s.request.request_id for s in scheduled]
-        starts = upload([s.request.num_computed_tokens for s in scheduled], torch.int64, flat.device) + num_accepted + 1
+        request_ids = [r.request_id for r in requests]
+        starts = upload([r.num_computed_tokens for r in requests], torch.int64, tokens.device) + num_accepted + 1
         anchors = tokens.gather(1, num_accepted[:, None])
         positions, meta = self.runner.metadata_ahead(request_ids, starts, q)
-        drafts = spec.draft_ahead(request_ids, anchors, starts, captured, num_accepted + 1, (positions, meta))
+        drafts, probs = spec.draft_ahead(requests, anchors, starts, captured, num_accepted + 1, (positions, meta))
         logits, captured = self.runner.run_ahead(q, torch.cat([anchors, drafts], 1).flatten(), positions, meta,
                                                  spec.capture_layers)
-        new_tokens, accepted = accept_greedy(drafts, logits.argmax(-1).view(n, q))
-        choice = _Choice(torch.cat([new_tokens.flatten(), accepted]), {True: [], False: []},
-                         {(q - 1, True): list(range(n))}, n)
+        greedy = [i for i, r in enumerate(requests) if r.params.greedy]
+        sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
+        groups: dict[tuple[int, bool], list[int]] = {}
+        pieces: list[torch.Tensor] = []
+        if greedy:
+            groups[(q - 1, True)] = greedy
+            best = logits.argmax(-1).view(n, q)
+            rows = None if len(greedy) == n else upload(greedy, torch.int64, logits.device)
+            new_tokens, accepted = accept_greedy(drafts if rows is None else drafts[rows],
+                                                 best if rows is None else best[rows])
+            pieces += [new_tokens.flatten(), accepted]
+        if sampled:
+            groups[(q - 1, False)] = sampled
+            rows = upload(sampled, torch.int64, logits.device)
+            p = probabilities(logits.view(n, q, -1)[rows].flatten(0, 1),
+                              [requests[i].params for i in sampled for _ in range(q)]).view(len(sampled), q, -1)
+            new_tokens, accepted = rejection_sample(drafts[rows], probs, p, [requests[i].generator for i in sampled])
+            pieces += [new_tokens.flatten(), accepted]
+        choice = _Choice(torch.cat(pieces), {True: [], False: []}, groups, n)
         return _Launched(scheduled, [Row(rid, -1, q) for rid in request_ids],
                          [slice(i * q, (i + 1) * q) for i in range(n)], [Proposal(d) for d in drafts], choice,
                          logits, captured)

@@ -25,6 +25,22 @@ from kv.spec import LayerOwner
 from spec_decode.drafter import DFlashDrafter
 
 
+def choose_drafts(logits: torch.Tensor, requests: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Drafts ``[B, K]`` from drafter logits ``[B, K, V]``, on the device: greedy rows take the argmax, sampled rows
+    draw from their distributions (each seeded row from its own generator), which come back for the sampled rows in
+    row order (``[S, K, V]``; None when every row is greedy) for verification by rejection sampling. Eager and
+    ahead steps draft through this one function, so a seeded row draws the same numbers either way."""
+    drafts = logits.argmax(-1)
+    sampled = [j for j, r in enumerate(requests) if not r.params.greedy]
+    if not sampled:
+        return drafts, None
+    count = logits.shape[1]
+    index = upload(sampled, torch.int64, logits.device)
+    q = probabilities(logits[index].flatten(0, 1), [requests[j].params for j in sampled
+                                                      for _ in range(count)]).view(len(sampled), count, -1)
+    return drafts.index_copy(0, index, draw(q, [requests[j].generator for j in sampled])), q
+
+
 class DFlashSpeculator:
     """Binds a drafter to its draft layers in the KV manager (the unified pool or a separate one); the
     target lends its embedding and LM head. Under tensor parallelism rank 0 publishes each drafter forward
@@ -131,13 +147,15 @@ class DFlashSpeculator:
         return self.graphs is not None and self.tp is None and self.graphs.accepts(batch, self.num_spec_tokens + 1)
 
     @torch.inference_mode()
-    def draft_ahead(self, request_ids: Sequence[str], anchors: torch.Tensor, starts: torch.Tensor,
+    def draft_ahead(self, requests: Sequence[Request], anchors: torch.Tensor, starts: torch.Tensor,
                     context: torch.Tensor, context_lens: torch.Tensor,
-                    target_metadata: tuple[torch.Tensor, AttentionMetadata]) -> torch.Tensor:
+                    target_metadata: tuple[torch.Tensor, AttentionMetadata]
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``engine.Speculator.draft_ahead``: full blocks through the drafter graph, which stores the context rows
-        staged here (``_store_and_draft``) before drafting; greedy drafts."""
+        staged here (``_store_and_draft``) before drafting; drafts chosen as ``propose`` chooses them."""
         width = self.num_spec_tokens + 1
-        n = len(request_ids)
+        n = len(requests)
+        request_ids = [r.request_id for r in requests]
         if self.space == self.kv.space_of(LayerOwner.TARGET):      # the unified pool: the same pages and slots
             positions, meta = target_metadata[0], dataclasses.replace(target_metadata[1], causal=False)
         else:
@@ -148,7 +166,7 @@ class DFlashSpeculator:
         self._ctx_lens[n:self.graphs.padded(n)].zero_()
         self._ctx_hidden[:n * width].copy_(context)
         self.contexts_in_graph += n
-        return self.graphs.run(n, width, ids.flatten(), positions, meta)[0].argmax(-1)
+        return choose_drafts(self.graphs.run(n, width, ids.flatten(), positions, meta)[0], requests)
 
     def _store_and_draft(self, ids, positions, meta, width: int) -> torch.Tensor:
         """The drafter graph's forward: store the staged context of each row (``_ctx_lens`` positions right before
@@ -209,17 +227,9 @@ class DFlashSpeculator:
                       for j, r in enumerate(rows[i].request for i in group) if r.logits_state is not None]
             if blocks:
                 logits = adjust_logits(logits.flatten(0, 1), blocks).view_as(logits)
-            # Greedy rows take the argmax, sampled rows draw from their distributions; the drafts stay on the device
-            # (the step puts them into the verification forward and verifies them there).
-            drafts = logits.argmax(-1)
             requests = [rows[i].request for i in group]
+            drafts, q = choose_drafts(logits, requests)
             sampled = [j for j, r in enumerate(requests) if not r.params.greedy]
-            q = None
-            if sampled:
-                index = upload(sampled, torch.int64, logits.device)
-                q = probabilities(logits[index].flatten(0, 1), [requests[j].params for j in sampled
-                                                                  for _ in range(count)]).view(len(sampled), count, -1)
-                drafts = drafts.index_copy(0, index, draw(q, [requests[j].generator for j in sampled]))
             where = {j: n for n, j in enumerate(sampled)}
             for j, i in enumerate(group):
                 proposals[i] = Proposal(drafts[j], q[where[j]] if j in where else None)

@@ -298,17 +298,52 @@ def test_speculative_steps_overlap_with_the_synchronous_tokens_and_acceptance():
     assert not on.speculator._pending and on.kv.pages_in_use() == 0 and not on.requests
 
 
-def test_speculative_overlap_breaks_for_newcomers_aborts_and_sampled_rows():
-    """Requests admitted and aborted while the drafter's steps run ahead, and a sampled request (its rows verify
-    by rejection sampling, not drafted ahead): the batch is read and rescheduled, and every surviving greedy
-    request's tokens equal its run alone (greedy speculation is lossless). Pages back to zero."""
+def test_sampled_speculative_rows_run_ahead_and_draw_what_the_synchronous_engine_draws():
+    """Seeded sampled rows (temperature, top-k, top-p) beside greedy ones, and a batch of sampled rows alone: their
+    steps run ahead of the host (drafts drawn and rejection-sampled on the device), and every request's tokens and
+    every step's acceptance equal the synchronous engine's, which draws from each seeded request's generator in the
+    same order. Pages back to zero."""
+    engines = {mode: _spec_engine(mode) for mode in ("off", "on")}
+    tok = engines["off"].tokenizer
+    ids = [tok.encode(p) for p in PROMPTS]
+    mixed = {
+        "g": (ids[0], SamplingParams(max_tokens=40, ignore_eos=True)),
+        "s1": (ids[1], SamplingParams(max_tokens=44, temperature=0.7, seed=7, ignore_eos=True)),
+        "s2": (ids[2], SamplingParams(max_tokens=36, temperature=1.0, top_k=30, top_p=0.9, seed=123,
+                                      ignore_eos=True)),
+        "g2": (ids[3], SamplingParams(max_tokens=30, ignore_eos=True)),
+    }
+    sampled_only = {"a": (ids[3], SamplingParams(max_tokens=40, temperature=0.5, seed=1, ignore_eos=True)),
+                    "b": (ids[0], SamplingParams(max_tokens=40, temperature=0.9, top_p=0.8, seed=2, ignore_eos=True))}
+
+    def summary(outs):
+        return {k: (_summary(v), v.acceptance_lengths) for k, v in outs.items()}
+
+    for requests in (mixed, sampled_only):
+        expected, _ = _run(engines["off"], requests)
+        before = engines["on"].num_overlapped_steps
+        got, _ = _run(engines["on"], requests)
+        assert summary(got) == summary(expected)
+        assert engines["on"].num_overlapped_steps - before > 10
+        # Drafts were accepted and rejected on the sampled rows: the rejection path ran, and not only its first draft.
+        lengths = [al for k, v in got.items() if k.startswith(("s", "a", "b")) for al in v.acceptance_lengths]
+        assert max(lengths) > 2 and min(lengths) == 1
+    on = engines["on"]
+    assert not on.speculator._pending and on.kv.pages_in_use() == 0 and not on.requests
+
+
+def test_speculative_overlap_breaks_for_newcomers_aborts_and_penalised_rows():
+    """Requests admitted and aborted while the drafter's steps run ahead, and a sampled request with a presence
+    penalty (its logits are processed on the host's terms, so its steps are not drafted ahead): the batch is read and
+    rescheduled, and every surviving greedy request's tokens equal its run alone (greedy speculation is lossless).
+    Pages back to zero."""
     alone_engine = _spec_engine("off")
     tok = alone_engine.tokenizer
     ids = [tok.encode(p) for p in PROMPTS]
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     alone = {str(i): _run(alone_engine, {str(i): (p, params)})[0][str(i)].token_ids for i, p in enumerate(ids)}
     on = _spec_engine("on")
-    sampled = SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=10, temperature=0.8, seed=3, presence_penalty=0.5, ignore_eos=True)
 
     def add(engine):
         engine.add_request(ids[2], params, request_id="2")
