@@ -69,6 +69,16 @@ class PrefillPages:
     leases: list[str]              # per prefill rank: the lease its KV manager holds the pages under
     peer_agents: list[str]         # per prefill rank: its NIXL agent, also its KVManagerActor's name
 
+    async def renew(self) -> list[bool]:
+        """``KVManagerActor.renew`` of every prefill rank's lease (False where the lease is gone, or its KV manager)."""
+        async def one(agent: str, lease: str) -> bool:
+            try:
+                return await (await asyncio.to_thread(kv_manager, agent)).renew.remote(lease)
+            except Exception:       # that KV manager is gone, and its pages with it
+                return False
+
+        return list(await asyncio.gather(*(one(a, lease) for a, lease in zip(self.peer_agents, self.leases))))
+
     def cancel(self, ranks: Sequence[int] | None = None) -> None:
         """Give the held pages back now (the request will not be decoded), on every prefill rank or on ``ranks``.
         Safe to call from a request that is being cancelled."""

@@ -59,6 +59,7 @@ class Lease:
     timer: asyncio.TimerHandle
     cancel_after_read: bool = False
     num_readers: int = 1                                   # decode ranks that READ it (set by the first)
+    hold_s: float = 30.0                                   # how long it stays HELD unread (``renew`` restarts it)
     reading: set[str] = field(default_factory=set)         # readers whose READ runs
     done: set[str] = field(default_factory=set)            # readers whose READ has ended
 
@@ -96,7 +97,7 @@ class KVManagerActor:
         self._released_event = asyncio.Event()
         # Leases ended by their READ, the hold timeout or a cancel; READs refused (the lease had ended); cancels
         # that came after the lease had ended (a client gone right after its READ).
-        self.counts = {"read": 0, "timed_out": 0, "cancelled": 0, "refused": 0, "after_release": 0}
+        self.counts = {"read": 0, "timed_out": 0, "cancelled": 0, "refused": 0, "after_release": 0, "renewed": 0}
         # The hand-off's calls (the decode engine's READs and lease checks, the prefill replica's holds) come over a
         # channel from processes on this node (``actors.channel``), as Ray actor calls from any other.
         self._channel = ChannelServer(self, ("read", "begin_read", "end_read", "hold", "cancel"), "kv")
@@ -201,14 +202,28 @@ class KVManagerActor:
     async def hold(self, request_id: str, lease_id: str, timeout_s: float | None = None) -> str:
         """Hold a finished prefill's pages for a peer under ``lease_id`` (chosen by the replica, so it need not
         wait for this call: a ``begin_read`` that arrives first waits for it)."""
-        timer = asyncio.get_running_loop().call_later(timeout_s or self.hold_timeout_s, self._expire, lease_id)
-        self._leases[lease_id] = Lease(request_id, LeaseState.HELD, timer)
+        hold_s = timeout_s or self.hold_timeout_s
+        timer = asyncio.get_running_loop().call_later(hold_s, self._expire, lease_id)
+        self._leases[lease_id] = Lease(request_id, LeaseState.HELD, timer, hold_s=hold_s)
         arrived = self._arrivals.pop(lease_id, None)
         if arrived is not None:
             arrived.set()
         if self._early_cancels.pop(lease_id, None) is not None:
             self._release(lease_id, "cancelled")
         return lease_id
+
+    async def renew(self, lease_id: str) -> bool:
+        """The request whose pages a lease holds is alive and its READ not begun yet (its decode side is queued, or
+        waits for pages): an unread lease's hold timer starts again. False once the lease is gone (expired,
+        cancelled or read); True for a lease being READ (its READ deadline runs) or whose hold has not arrived."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return lease_id not in self._released_leases and lease_id not in self._early_cancels
+        if lease.state == LeaseState.HELD:
+            lease.timer.cancel()
+            lease.timer = asyncio.get_running_loop().call_later(lease.hold_s, self._expire, lease_id)
+            self.counts["renewed"] += 1
+        return True
 
     async def begin_read(self, lease_id: str, read_timeout_s: float | None = None, reader: str = "",
                          num_readers: int = 1) -> bool:

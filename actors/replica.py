@@ -51,6 +51,7 @@ class Ticket:
     prefill_s: float = 0.0
     first_logprob: TokenLogprob | None = None    # the first token's entry, when params.logprobs is set
     timing: dict | None = None     # the prefill engine's RequestTiming (its queue and prefill times)
+    hold_s: float = 30.0           # how long the prefill ranks hold the pages unread (``renew`` restarts it)
 
     def first_chunk(self) -> dict:
         """The first token as a chunk, sent while the KV moves (only when ``first_text`` is not None)."""
@@ -92,6 +93,16 @@ class Ticket:
         """Give the held pages back now (the request will not be decoded). Safe to call from a request that
         is being cancelled."""
         self.pages().cancel()
+
+    async def keep_held(self) -> None:
+        """While the request waits for its READ (its decode call queued behind others, or its decode replica waiting
+        for pages), restart its holds' timers every third of their timeout, so that a request that is alive is not
+        failed by its hold expiring; the caller cancels this once the decode side's first chunk has come (the READ
+        has ended) or the request has ended. Returns when a hold is gone (its READ will fail and say so)."""
+        while True:
+            await asyncio.sleep(self.hold_s / 3)
+            if not all(await self.pages().renew()):
+                return
 
 
 class EngineReplica:
@@ -315,7 +326,8 @@ class PrefillReplica(EngineReplica):
             ticket = Ticket(request_id, list(prompt_token_ids), params, chunk["token_ids"][0], tables, leases,
                             [self.group.agent_name(i) for i in range(len(leases))], list(self.group.rank_infos),
                             first_text, chunk["num_cached_tokens"], time.perf_counter() - start,
-                            chunk["logprobs"][0] if chunk.get("logprobs") else None, chunk.get("timing"))
+                            chunk["logprobs"][0] if chunk.get("logprobs") else None, chunk.get("timing"),
+                            self.hold_timeout_s)
             # The holds are sent right after the ticket goes out, not before it and not awaited: a READ that
             # overtakes its hold waits for it (or a cancel frees the pages when the hold arrives).
             asyncio.get_running_loop().call_soon(self._hold, request_id, leases, context=contextvars.Context())

@@ -154,7 +154,12 @@ class ServiceConfig(_Strict):
     # How a decode rank moves a prefill rank's pages: "auto" copies them from its CUDA IPC mapping of the prefill
     # pools when both share a GPU, and READs them with NIXL otherwise; "nixl" always READs with NIXL.
     kv_transport: Literal["auto", "nixl"] = "auto"
-    hold_timeout_s: float = Field(30.0, gt=0)        # prefill pages wait this long for their READ
+    # Prefill pages wait this long for their READ; the ingress restarts the wait every third of it while the
+    # request's decode call is queued or waits for pages, so only a request nobody serves any more loses them.
+    hold_timeout_s: float = Field(30.0, gt=0)
+    # Once a request's ticket has reached its decode replica, the request waits this long for decode pages (behind
+    # older requests while the pool is full); then it fails with a 503 mid-stream and its pages are freed.
+    reserve_timeout_s: float = Field(300.0, gt=0)
     # A decode replica reserves a request's pages as its prefill starts and waits this long for the prefill's ticket
     # (a queue and the prefill itself included); then the request fails with a 504 and the pages are freed.
     ticket_timeout_s: float = Field(300.0, gt=0)

@@ -23,7 +23,8 @@ class _Served:
                          num_threads=self.service.model.num_threads,
                          hold_timeout_s=self.service.hold_timeout_s, transfer_draft_kv=self.service.transfer_draft_kv,
                          kv_transport=self.service.kv_transport, stream_interval=self.service.stream_interval,
-                         ticket_timeout_s=self.service.ticket_timeout_s)
+                         ticket_timeout_s=self.service.ticket_timeout_s,
+                         reserve_timeout_s=self.service.reserve_timeout_s)
         self._closed = threading.Event()
         self._hub = HubClient(hub)
         self._reporter = threading.Thread(target=self._report, name="metrics-reporter", daemon=True)

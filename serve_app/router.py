@@ -39,17 +39,18 @@ class Router:
             async for chunk in _cancel_on_exit(gen):
                 yield chunk
             return
-        # The decode call goes out with the prefill: its replica's engine process reserves the prompt's pages while
-        # the prefill runs and stands by; its first chunk names that process, to which the ticket goes in one call
-        # (over a channel on one node) the moment both are here, not through Serve's routing after the prefill. The
-        # prefill's result comes as a stream of one item (sooner than a unary reply). Awaiting it can be cancelled by
-        # a disconnect: the prefill call is cancelled then, and its replica aborts the request and frees its pages. The decode call is made apart from the request (Serve would cancel it with the request, and
-        # can lose a cancel that comes before the call has started): this generator ends it itself.
+        # The decode call goes out with the prefill: its replica's engine process reserves the prompt's pages while the
+        # prefill runs and stands by; its first chunk names that process, to which the ticket goes in one call (over a
+        # channel on one node) the moment both are here, not through Serve's routing after the prefill. The prefill's
+        # result comes as a stream of one item (sooner than a unary reply). Awaiting it can be cancelled by a
+        # disconnect: the prefill call is cancelled then, and its replica aborts the request and frees its pages. The
+        # decode call is made apart from the request (Serve would cancel it with the request, and can lose a cancel that
+        # comes before the call has started): this generator ends it itself.
         prefill = _only_item(self.backends["prefill"].options(stream=True).prefill_stream.remote(
             request_id, prompt_token_ids, params))
         decode = _StandBy(self, request_id, contextvars.Context().run(
             self.backends["decode"].options(stream=True).stand_by.remote, request_id, prompt_token_ids, params))
-        ticket, completed = None, False
+        ticket, completed, keep = None, False, None
         try:
             result = await prefill
             if "chunk" in result:       # the request ends with its first token (or failed): no decode
@@ -60,6 +61,9 @@ class Router:
                 return
             ticket, ticket_at = result["ticket"], time.perf_counter()
             decode.hand(ticket)
+            # Under load the decode call may wait for a replica slot, and then for pages, longer than the prefill
+            # holds the prompt's pages: they are kept held while this request waits, until its first decode chunk.
+            keep = asyncio.ensure_future(ticket.keep_held())
             # The first token goes out now, while its KV moves (unless it could still be cut by a stop string or
             # end the request, which only the decode side's output settles).
             early = ticket.first_text is not None
@@ -67,6 +71,7 @@ class Router:
                 yield ticket.first_chunk()
             first = True
             async for chunk in decode.chunks():
+                keep.cancel()
                 if first and self.on_transfer is not None:
                     if chunk["type"] == "tokens" and chunk.get("transfer") is not None:
                         self.on_transfer({**chunk["transfer"], "handoff_s": time.perf_counter() - ticket_at})
@@ -85,6 +90,8 @@ class Router:
                 yield chunk
             completed = True
         finally:
+            if keep is not None:
+                keep.cancel()
             if not completed:
                 # Closed early (a disconnect, the prefill's failure), maybe before the decode replica ever ran:
                 # stop the decode call, and give the held pages back now rather than at the hold timeout. After a

@@ -4,6 +4,7 @@ The replicas are the ones the Serve deployments run, started as Ray actors the w
 starts them.
 """
 
+import asyncio
 import json
 import os
 import queue
@@ -304,6 +305,34 @@ def test_unread_prefill_pages_are_freed_by_the_hold_timeout(short_holds):
     assert short_holds.prefill.pages_in_use() > 0
     wait_until(lambda: short_holds.prefill.pages_in_use() == 0)
     assert hold_stats(short_holds)["timed_out"] == timed_out + len(tickets)
+
+
+def test_a_renewed_hold_outlives_its_timeout_and_then_decodes(short_holds):
+    """``Ticket.keep_held`` (what the ingress runs while a request's decode call waits) keeps a 0.3 s hold for
+    1.5 s; the request then decodes its solo output. Once the renewals stop the hold expires, and renewing it
+    then says it is gone."""
+    solo = short_holds.generate(requests(TINY_PROMPTS[2:3], tag="solo-renewed"))[0]
+    ticket = short_holds.prefill_all(requests(TINY_PROMPTS[2:3], tag="renewed"))[0]
+    assert ticket.hold_s == 0.3
+    renewed = hold_stats(short_holds)["renewed"]
+
+    async def keep_for(seconds: float) -> None:
+        keeper = asyncio.ensure_future(ticket.keep_held())
+        await asyncio.sleep(seconds)
+        assert not keeper.done()        # every renewal found the hold
+        keeper.cancel()
+
+    asyncio.run(keep_for(1.5))
+    assert hold_stats(short_holds)["renewed"] >= renewed + 4
+    assert short_holds.prefill.pages_in_use() > 0
+    chunks = decode_chunks(short_holds.decode, ticket)
+    assert [t for c in chunks for t in c["token_ids"]] == solo.token_ids
+    wait_until(lambda: short_holds.prefill.pages_in_use() == 0 and short_holds.decode.pages_in_use() == 0)
+
+    lapsed = short_holds.prefill_all(requests(TINY_PROMPTS[1:2], tag="lapsed"))[0]
+    wait_until(lambda: short_holds.prefill.pages_in_use() == 0)        # not renewed: the 0.3 s hold ran out
+    assert asyncio.run(lapsed.pages().renew()) == [False]
+    assert asyncio.run(asyncio.wait_for(lapsed.keep_held(), 2)) is None      # returns at the first renewal
 
 
 def test_an_expired_hold_is_never_served_and_fails_cleanly(short_holds):

@@ -20,8 +20,7 @@ pytestmark = pytest.mark.ray
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
-from serve_app.app import build_app  # noqa: E402
-from tests.test_serve_support import free_port, metric_samples, metric_sum, service_args, wait_healthy  # noqa: E402
+from tests.test_serve_support import metric_samples, metric_sum, tiny_service, wait_healthy  # noqa: E402
 
 # Serve's health check notices (a few seconds), then a replica starts cold: a Ray worker process, imports (torch,
 # Serve), the model and a KV manager process. On 2 cores that run the whole service beside the tests this took
@@ -37,19 +36,10 @@ INTERNALS = re.compile(r"pid=|\b\d+\.\d+\.\d+\.\d+\b|[0-9a-f]{24,}|\x1b\[|Traceb
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, tmp_path_factory):
-    from tests.test_serve_support import write_tiny_pair
-
-    target, drafter = write_tiny_pair(tmp_path_factory.mktemp("faults_pair"))
     fast_checks = {"health_check_period_s": 1.0, "health_check_timeout_s": 5.0}
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(service_args(target, drafter, prefill=fast_checks, hold_timeout_s=15.0,
-                                     decode={**fast_checks, "tensor_parallel_size": 2}, ingress={"num_replicas": 2})),
-              name="dflash", route_prefix="/")
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url)
-    yield url
-    serve.shutdown()
+    with tiny_service(tmp_path_factory.mktemp("faults_pair"), prefill=fast_checks, hold_timeout_s=15.0,
+                      decode={**fast_checks, "tensor_parallel_size": 2}, ingress={"num_replicas": 2}) as url:
+        yield url
 
 
 def alive_actor(role: str, kind: str) -> tuple[str, int]:

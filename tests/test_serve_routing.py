@@ -11,28 +11,18 @@ import pytest
 
 pytestmark = pytest.mark.ray
 
-from ray import serve  # noqa: E402
-
-from serve_app.app import build_app  # noqa: E402
 from serve_app.routing import PREFIX_TOKENS, rank  # noqa: E402
-from tests.test_serve_support import (CHUNK, free_port, metric_samples, metric_sum, service_args,  # noqa: E402
-                                      wait_healthy, write_tiny_pair)
+from tests.test_serve_support import CHUNK, metric_samples, metric_sum, tiny_service  # noqa: E402
 
 PAGE = 16
 
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, tmp_path_factory):
-    target, drafter = write_tiny_pair(tmp_path_factory.mktemp("routing_pair"))
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     # Two requests at a time per prefill replica: a third goes to the next replica in the prompt's ranking.
-    serve.run(build_app(service_args(target, drafter, prefill={"num_replicas": 2, "max_ongoing_requests": 2},
-                                     ingress={"num_replicas": 2})), name="dflash", route_prefix="/")
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url)
-    yield url
-    serve.shutdown()
+    with tiny_service(tmp_path_factory.mktemp("routing_pair"), prefill={"num_replicas": 2, "max_ongoing_requests": 2},
+                      ingress={"num_replicas": 2}) as url:
+        yield url
 
 
 def complete(url: str, prompt: list[int]) -> dict:

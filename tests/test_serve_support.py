@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -59,6 +61,26 @@ def service_args(target: Path, drafter: Path, mode: str = "disaggregated", **ove
         else:
             args[key] = value
     return args
+
+
+@contextlib.contextmanager
+def tiny_service(root: Path, **overrides) -> Iterator[str]:
+    """The tiny pair (written under ``root``) served by the application of ``service_args(**overrides)`` on a free
+    port, ready; yields its URL and shuts Serve down after."""
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    target, drafter = write_tiny_pair(root)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_app(service_args(target, drafter, **overrides)), name="dflash", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url)
+        yield url
+    finally:
+        serve.shutdown()
 
 
 def wait_healthy(url: str, timeout_s: float = 120.0) -> None:
