@@ -27,6 +27,11 @@ class Tokenizer:
         self.eos_token_id = self._tok.token_to_id(eos) if eos else None
         self.chat_template = self.config.get("chat_template")
         self._detok_ids: tuple[frozenset[int], frozenset[int]] | None = None   # made at the first detokenizer()
+        self._decoder_types: frozenset[str] | None = None
+        self._bytes: dict[int, bytes] = {}          # ids' own bytes, as token_bytes() met them
+        self._alphabet: dict[str, int] | None = None
+        self._special_ids: frozenset[int] = frozenset(
+            i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
     @property
     def vocab_size(self) -> int:
@@ -44,27 +49,76 @@ class Tokenizer:
         """One token's text on its own (special tokens included), as logprobs report it."""
         return self._tok.decode([token_id], skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int, skip_special_tokens: bool = False) -> bytes:
+        """One token's own bytes, as logprobs report them: a byte-level BPE or byte-fallback (<0xNN>) token may
+        hold part of a character, which ``token_text`` shows as U+FFFD. With ``skip_special_tokens``: what the token
+        adds to ``decode``'s text (a special token nothing)."""
+        if skip_special_tokens and token_id in self._special_ids:
+            return b""
+        raw = self._bytes.get(token_id)
+        if raw is None:     # one id at a time (a whole vocabulary's table would stall the first logprobs request)
+            if self._alphabet is None:
+                self._alphabet = _byte_level_alphabet() if "ByteLevel" in self._decoders() else {}
+            raw = self._bytes[token_id] = _token_bytes(self._tok, token_id, self._alphabet,
+                                                       "ByteFallback" in self._decoders())
+        return raw
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def _decoders(self) -> frozenset[str]:
+        """The types of the tokenizer's decoders ("ByteLevel", "ByteFallback", "Metaspace", ...)."""
+        if self._decoder_types is None:
+            types, nodes = set(), [json.loads(self._tok.to_str()).get("decoder")]
+            while nodes:
+                node = nodes.pop()
+                if isinstance(node, dict):
+                    types.add(node.get("type"))
+                    nodes += node.values()
+                elif isinstance(node, list):
+                    nodes += node
+            self._decoder_types = frozenset(t for t in types if isinstance(t, str))
+        return self._decoder_types
 
     def detokenizer(self) -> "IncrementalDetokenizer":
         """A fresh incremental detokenizer for one growing sequence of ids (one per request)."""
         if self._detok_ids is None:
-            self._detok_ids = _byte_fallback_ids(self._tok), frozenset(
-                i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+            byte_ids = _byte_fallback_ids(self._tok) if "ByteFallback" in self._decoders() else frozenset()
+            self._detok_ids = byte_ids, self._special_ids
         return IncrementalDetokenizer(self._tok, *self._detok_ids)
 
 
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
 def _byte_fallback_ids(tok: _Tokenizer) -> frozenset[int]:
-    """Ids a ByteFallback decoder turns into raw bytes (<0xNN>); empty when the decoder has none."""
-    def has_byte_fallback(node) -> bool:
-        if isinstance(node, dict):
-            return node.get("type") == "ByteFallback" or any(has_byte_fallback(v) for v in node.values())
-        return isinstance(node, list) and any(has_byte_fallback(v) for v in node)
-    if not has_byte_fallback(json.loads(tok.to_str()).get("decoder")):
-        return frozenset()
-    pattern = re.compile(r"<0x[0-9A-Fa-f]{2}>")
-    return frozenset(i for t, i in tok.get_vocab(with_added_tokens=True).items() if pattern.fullmatch(t))
+    """Ids a ByteFallback decoder turns into raw bytes (<0xNN>)."""
+    return frozenset(i for t, i in tok.get_vocab(with_added_tokens=True).items() if _BYTE_PIECE.fullmatch(t))
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte-level BPE's (GPT-2's) alphabet: for each character of its vocabulary the byte it stands for.
+    Printable bytes stand for themselves; the others for the characters from U+0100 on, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + k): b for k, b in enumerate(others)}
+
+
+def _token_bytes(tok: _Tokenizer, token_id: int, alphabet: dict[str, int], byte_fallback: bool) -> bytes:
+    """The token's own bytes: an added token's content, a byte-level piece through the byte ``alphabet`` (empty
+    without one), a <0xNN> byte-fallback piece's byte, else the token's text on its own (b"" for an unknown id)."""
+    piece = tok.id_to_token(token_id)
+    if piece is None:
+        return b""
+    added = tok.get_added_tokens_decoder().get(token_id)
+    if added is not None:
+        return added.content.encode()
+    if alphabet and all(ch in alphabet for ch in piece):
+        return bytes(alphabet[ch] for ch in piece)
+    byte = _BYTE_PIECE.fullmatch(piece) if byte_fallback else None
+    if byte:
+        return bytes([int(byte.group(1), 16)])
+    return tok.decode([token_id], skip_special_tokens=False).encode()
 
 
 class IncrementalDetokenizer:

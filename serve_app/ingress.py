@@ -10,9 +10,11 @@ request id.
 
 
 import asyncio
+import codecs
 import concurrent.futures
 import contextvars
 import dataclasses
+import email.message
 import hmac
 import json
 import logging
@@ -38,7 +40,7 @@ from serve_app.protocol import (APIError, AssistantMessage, ChatChoice, ChatChun
                                 ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
                                 ChatTokenLogprob, CompletionChoice, CompletionChunk, CompletionLogprobs,
                                 CompletionRequest, CompletionResponse, PromptTokensDetails, SpecDecodeUsage,
-                                TopLogprob, Usage, check_text, render_chat, sampling_params)
+                                TopLogprob, Usage, check_text, max_tokens_field, render_chat, sampling_params)
 from serve_app.router import Router
 
 log = logging.getLogger("dflash.ingress")
@@ -66,8 +68,22 @@ async def _api_error(_: Request, e: APIError) -> JSONResponse:
     return _error_response(e)
 
 
+def _is_json(content_type: str | None) -> bool:
+    """Whether FastAPI reads a body of this Content-Type as JSON (application/json or application/*+json)."""
+    message = email.message.Message()
+    message["content-type"] = content_type or ""
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
 @api.exception_handler(RequestValidationError)
-async def _schema_error(_: Request, e: RequestValidationError) -> JSONResponse:
+async def _schema_error(request: Request, e: RequestValidationError) -> JSONResponse:
+    content_type = request.headers.get("content-type")
+    if request.method == "POST" and not _is_json(content_type):
+        # FastAPI leaves such a body unparsed (bytes), which would read as a schema violation.
+        return _error_response(APIError(415, f"the request body must be JSON sent with Content-Type: "
+                                        f"application/json, got {content_type or 'no Content-Type'}",
+                                        code="unsupported_media_type"))
     errors = e.errors() or [{"loc": (), "msg": "invalid request", "type": "value_error"}]
     if any(err.get("type") == "json_invalid" for err in errors):
         return _error_response(APIError(400, "the request body is not valid JSON", code="invalid_json"))
@@ -108,6 +124,18 @@ def _public(status: int, kind: str, message: str, request_id: str) -> APIError:
 
 def _from_chunk(chunk: dict, request_id: str) -> APIError:
     return _public(chunk["status"], chunk.get("error_type", "server_error"), chunk["message"], request_id)
+
+
+async def _cancel_all(tasks: list[asyncio.Task]) -> None:
+    """Cancel the tasks and wait until each has ended, however it ends: only then may the choices they read be
+    closed (closing a stream that another task is reading fails)."""
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        try:
+            await t
+        except BaseException:       # its own error or its cancellation: the caller reports the first error
+            pass
 
 
 def _error_chunk_from(e: BaseException) -> dict:
@@ -222,8 +250,10 @@ class Choice:
         self.ids_sent = 0               # token ids already sent (streams with return_token_ids)
         self.logprobs: list[TokenLogprob] = []    # per token, when params.logprobs is set
         self.logprobs_sent = 0
-        self.text_offset = len(echo)    # where the next logprobs token begins in the text (completions)
+        self.text_offset = len(echo)    # where the next logprobs token begins in the text (completions) ...
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")    # ... counting only whole characters
         self.finish_reason: str | None = None
+        self.error: str | None = None   # the type of the error that ended it (the request's, for its siblings)
         self.spec: dict | None = None
         self.timing: dict | None = None      # the engines' queue / prefill / decode seconds (finished requests)
         self.num_cached_tokens = 0
@@ -239,10 +269,10 @@ class Choice:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            self.done = True
-            return _error_chunk_from(e)
+            chunk = _error_chunk_from(e)
         if chunk["type"] == "error":
             self.done = True
+            self.error = chunk.get("error_type", "server_error")
             return chunk
         now = time.perf_counter()
         if chunk["token_ids"]:
@@ -396,11 +426,14 @@ class Ingress:
             raise APIError(400, "the prompt is empty", param=param)
         return ids
 
-    def _check_context(self, ids: list[int], params: SamplingParams, param: str) -> None:
+    def _check_context(self, ids: list[int], params: SamplingParams, body, prompt_param: str) -> None:
+        """400 naming the prompt when it alone fills the context, else the max_tokens field that overflows it."""
         if len(ids) + params.max_tokens > self.max_model_len:
+            max_field = max_tokens_field(body)
+            param = prompt_param if len(ids) >= self.max_model_len or max_field is None else max_field
             raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens; the request "
-                           f"has {len(ids)} prompt tokens and max_tokens {params.max_tokens}", param=param,
-                           code="context_length_exceeded")
+                           f"has {len(ids)} prompt tokens and {max_field or 'max_tokens'} {params.max_tokens}",
+                           param=param, code="context_length_exceeded")
 
     # --- endpoints ----------------------------------------------------------------------------------
     @api.get("/health")
@@ -413,8 +446,16 @@ class Ingress:
 
     @api.get("/v1/models")
     async def models(self):
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self._created,
-                                            "owned_by": "dflash-serve", "max_model_len": self.max_model_len}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    @api.get("/v1/models/{model:path}")      # a served name may hold a "/" (org/name)
+    async def model(self, model: str):
+        self._check_model(model)
+        return self._model_card()
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "dflash-serve",
+                "max_model_len": self.max_model_len}
 
     @api.get("/metrics")
     async def prometheus(self):
@@ -435,7 +476,7 @@ class Ingress:
         try:
             prompts = await self._offload(lambda: [self._encode(p, "prompt") for p in batch])
             for ids in prompts:
-                self._check_context(ids, params, "prompt")
+                self._check_context(ids, params, body, "prompt")
             echoes = None
             if body.echo:
                 if self.tokenizer is None:
@@ -457,10 +498,9 @@ class Ingress:
         self._admit(body.n, "n")
         try:
             ids = await self._offload(lambda: self._encode(self._render(body.messages), "messages"))
-            explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             params = sampling_params(body, default_max_tokens=max(1, self.max_model_len - len(ids)),
                                      vocab_size=self.vocab_size)
-            self._check_context(ids, params, "messages" if explicit is None else "max_tokens")
+            self._check_context(ids, params, body, "messages")
         except BaseException:
             self.inflight -= body.n
             raise
@@ -488,7 +528,7 @@ class Ingress:
                 index = p * body.n + j
                 choices.append(Choice(index, f"{request_id}-{index}", ids, choice_params, self.router,
                                       echoes[p] if echoes else ""))
-        handed_off = False
+        handed_off, error = False, None
         try:
             firsts = await asyncio.gather(*(c.next() for c in choices))
             for chunk in firsts:
@@ -497,11 +537,18 @@ class Ingress:
             if body.stream:
                 handed_off = True
                 return EventSourceResponse(self._sse(body, request_id, choices, firsts, chat))
-            await asyncio.gather(*(self._drain(c, request_id) for c in choices))
+            tasks = [asyncio.create_task(self._drain(c, request_id)) for c in choices]
+            try:
+                await asyncio.gather(*tasks)
+            finally:        # one failed (or the client left): the others stop before their streams are closed
+                await _cancel_all(tasks)
             return self._full_response(body, request_id, choices, chat)
+        except Exception as e:
+            error = e.type if isinstance(e, APIError) else "server_error"
+            raise
         finally:
             if not handed_off:
-                await self._finish(choices)
+                await self._finish(choices, error)
 
     async def _drain(self, choice: Choice, request_id: str) -> None:
         while not choice.done:
@@ -509,15 +556,20 @@ class Ingress:
             if chunk is not None and chunk["type"] == "error":
                 raise _from_chunk(chunk, request_id)
 
-    async def _finish(self, choices: list[Choice]) -> None:
+    async def _finish(self, choices: list[Choice], error: str | None = None) -> None:
+        """Close every choice (aborting what still runs) and count it: a success, or an error when it or its
+        request (``error``) ended in one."""
         self.inflight -= len(choices)
         for c in choices:
-            await c.close()
+            try:
+                await c.close()
+            except Exception:
+                log.exception("%s: closing its stream failed", c.request_id)
             self.metrics.observe_finished(num_prompt_tokens=len(c.prompt_ids), num_generated=len(c.token_ids),
                                           finish_reason=c.finish_reason or "abort", ttft=c.ttft,
                                           e2e=time.perf_counter() - c.start, spec=c.spec,
                                           token_gaps=c.token_gaps, timing=c.timing,
-                                          num_cached_tokens=c.num_cached_tokens)
+                                          num_cached_tokens=c.num_cached_tokens, error=c.error or error)
 
     def _usage(self, body, choices: list[Choice]) -> Usage:
         prompt_tokens = sum(len(c.prompt_ids) for c in choices[::body.n])
@@ -548,8 +600,25 @@ class Ingress:
                                  logprobs=self._logprobs(c, chat)) for c in choices])
         return response.model_dump(mode="json")
 
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.token_text(token_id) if self.tokenizer is not None else f"token_id:{token_id}"
+    def _token(self, token_id: int) -> tuple[str, list[int]]:
+        """A token as logprobs report it: its text and its own bytes. A token whose bytes are not UTF-8 on their
+        own (a byte-level piece of a character) reads ``bytes:\\xNN...`` (vLLM's form): distinct tokens keep
+        distinct texts, and a client rebuilds the character from the bytes."""
+        if self.tokenizer is None:
+            text = f"token_id:{token_id}"
+            return text, list(text.encode())
+        raw = self.tokenizer.token_bytes(token_id)
+        try:
+            return raw.decode(), list(raw)
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), list(raw)
+
+    def _text_offset(self, c: Choice, token_id: int) -> int:
+        """Where the token begins in the choice's text: a piece of a character begins where the character does."""
+        offset = min(c.text_offset, len(c.text))
+        if self.tokenizer is not None:       # (without one there is no text)
+            c.text_offset += len(c.utf8.decode(self.tokenizer.token_bytes(token_id, skip_special_tokens=True)))
+        return offset
 
     def _logprobs(self, c: Choice, chat: bool) -> CompletionLogprobs | ChatLogprobs | None:
         """The logprobs of the choice's tokens not reported yet, in the endpoint's shape (None: not asked for)."""
@@ -557,23 +626,24 @@ class Ingress:
             return None
         entries = c.logprobs[c.logprobs_sent:]
         c.logprobs_sent = len(c.logprobs)
-        text = self._token_text
         if chat:
-            return ChatLogprobs(content=[ChatTokenLogprob(
-                token=text(e.token_id), logprob=e.logprob, bytes=list(text(e.token_id).encode()),
-                top_logprobs=[TopLogprob(token=text(t), logprob=v, bytes=list(text(t).encode())) for t, v in e.top])
-                for e in entries])
-        tokens = [text(e.token_id) for e in entries]
-        offsets = []
-        for token in tokens:
-            offsets.append(c.text_offset)
-            c.text_offset += len(token)
+            def top(token_id: int, logprob: float) -> TopLogprob:
+                text, raw = self._token(token_id)
+                return TopLogprob(token=text, logprob=logprob, bytes=raw)
+            content = []
+            for e in entries:
+                text, raw = self._token(e.token_id)
+                content.append(ChatTokenLogprob(token=text, logprob=e.logprob, bytes=raw,
+                                                top_logprobs=[top(t, v) for t, v in e.top]))
+            return ChatLogprobs(content=content)
+        tokens = [self._token(e.token_id)[0] for e in entries]
+        offsets = [self._text_offset(c, e.token_id) for e in entries]
         tops = []
         for e in entries:
-            top: dict[str, float] = {}
+            alternatives: dict[str, float] = {}
             for t, v in e.top:           # best first: where two tokens share a text, the key keeps the better
-                top.setdefault(text(t), v)
-            tops.append(top)
+                alternatives.setdefault(self._token(t)[0], v)
+            tops.append(alternatives)
         return CompletionLogprobs(tokens=tokens, token_logprobs=[e.logprob for e in entries], top_logprobs=tops,
                                   text_offset=offsets)
 
@@ -632,11 +702,5 @@ class Ingress:
             yield format_sse_event(data_str="[DONE]")
         finally:
             # Reached on completion and on client disconnect (the response task is cancelled).
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                try:
-                    await t
-                except BaseException:
-                    pass
+            await _cancel_all(tasks)
             await self._finish(choices)

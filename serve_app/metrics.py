@@ -150,6 +150,9 @@ class ServiceMetrics:
         self.generation_tokens = Counter("dflash_generation_tokens", "Tokens generated", m, registry=r)
         self.request_success = Counter("dflash_request_success", "Requests finished", m + ["finished_reason"],
                                        registry=r)
+        # error_type: the error's ("overloaded", "transfer_error", "server_error", ...); never counted as a success
+        self.request_errors = Counter("dflash_request_errors", "Requests that ended in an error", m + ["error_type"],
+                                      registry=r)
         self.ttft = Histogram("dflash_time_to_first_token_seconds", "Time to first token", m, buckets=TTFT_BUCKETS,
                               registry=r)
         self.itl = Histogram("dflash_inter_token_latency_seconds", "Time between streamed tokens", m,
@@ -200,7 +203,8 @@ class ServiceMetrics:
     # --- per request, from the ingress --------------------------------------------------------
     def observe_finished(self, *, num_prompt_tokens: int, num_generated: int, finish_reason: str, ttft: float | None,
                          e2e: float, spec: dict | None, token_gaps: list[float] = (),
-                         timing: dict | None = None, num_cached_tokens: int = 0) -> None:
+                         timing: dict | None = None, num_cached_tokens: int = 0, error: str | None = None) -> None:
+        """One choice's end: ``finish_reason`` when it succeeded (or was aborted), else the type of its ``error``."""
         name = self.model_name
         if timing:
             self.queue_time.labels(name).observe(timing["queue_s"])
@@ -209,7 +213,10 @@ class ServiceMetrics:
         self.prompt_tokens.labels(name).inc(num_prompt_tokens)
         self.prefix_cache_hits.labels(name).inc(num_cached_tokens)
         self.generation_tokens.labels(name).inc(num_generated)
-        self.request_success.labels(name, finish_reason).inc()
+        if error is None:
+            self.request_success.labels(name, finish_reason).inc()
+        else:
+            self.request_errors.labels(name, error).inc()
         self.e2e.labels(name).observe(e2e)
         for gap in token_gaps:
             self.itl.labels(name).observe(gap)

@@ -23,14 +23,19 @@ class APIError(Exception):
                           "code": self.code if self.code is not None else self.status}}
 
 
+# Request bodies are checked in strict mode, as OpenAI does: a value of the wrong JSON type (``true``, ``"5"`` or
+# ``1.0`` for an integer, ``"0.5"`` for a number, ``"yes"`` for a boolean) is refused, never coerced; an integer
+# stays a valid number (``temperature: 1``).
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
     # Unknown fields are ignored, as OpenAI does; known ones this server does not implement are declared
     # below and refused by name (``refuse_unsupported``) rather than ignored.
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
 
     model: str
     max_tokens: int | None = None
@@ -68,11 +73,15 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"] = "text"
     text: str
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart]
 
@@ -257,7 +266,9 @@ def refuse_unsupported(req: _SamplingFields) -> None:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
     if isinstance(req, CompletionRequest):
         refused = [("suffix", bool(req.suffix), "suffix (insertion) is not supported"),
-                   ("best_of", req.best_of not in (None, 1), "best_of > 1 is not supported; use n"),
+                   ("best_of", req.best_of not in (None, 1),
+                    f"best_of must be 1 (choosing the best of several samples is not supported; use n), "
+                    f"got {req.best_of}"),
                    ("echo", req.echo and req.logprobs is not None,
                     "echo with logprobs needs the prompt's log-probabilities, which this server does not compute")]
     else:
@@ -286,12 +297,18 @@ def requested_logprobs(req: _SamplingFields) -> int | None:
     return req.logprobs
 
 
+def max_tokens_field(req: _SamplingFields) -> str | None:
+    """The field that set the request's max_tokens (chat's max_completion_tokens wins), or None for the default."""
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    return "max_tokens" if req.max_tokens is not None and "max_tokens" in req.model_fields_set else None
+
+
 def sampling_params(req: _SamplingFields, default_max_tokens: int, vocab_size: int) -> SamplingParams:
     """The engine's SamplingParams; an invalid value raises a 400 APIError naming its field."""
     refuse_unsupported(req)
-    max_tokens = req.max_tokens
-    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
-        max_tokens = req.max_completion_tokens
+    max_field = max_tokens_field(req) or "max_tokens"
+    max_tokens = getattr(req, max_field)
     if max_tokens is None:
         max_tokens = default_max_tokens
     if not 1 <= req.n <= MAX_N:
@@ -300,12 +317,13 @@ def sampling_params(req: _SamplingFields, default_max_tokens: int, vocab_size: i
     check_text(list(stop), "stop")
     bias: dict[int, float] = {}
     for key, value in (req.logit_bias or {}).items():
-        if not key.isdigit() or int(key) >= vocab_size:
+        # ASCII digits only: int() also reads other scripts' digits ("١٢" is 12) and str.isdigit() passes "²".
+        if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
             raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}",
                            param="logit_bias")
         bias[int(key)] = value
     stop_ids = list(req.stop_token_ids or ())
-    checks = [("max_tokens", max_tokens >= 1, f"max_tokens must be >= 1, got {max_tokens}"),
+    checks = [(max_field, max_tokens >= 1, f"{max_field} must be >= 1, got {max_tokens}"),
               ("temperature", 0 <= req.temperature <= 2, f"temperature must be in [0, 2], got {req.temperature}"),
               ("top_p", 0 < req.top_p <= 1, f"top_p must be in (0, 1], got {req.top_p}"),
               ("top_k", req.top_k >= -1, f"top_k must be -1, 0 or positive, got {req.top_k}"),
@@ -315,7 +333,7 @@ def sampling_params(req: _SamplingFields, default_max_tokens: int, vocab_size: i
               ("stop_token_ids", all(0 <= t < vocab_size for t in stop_ids),
                f"stop_token_ids must be token ids in [0, {vocab_size})"),
               ("min_tokens", req.min_tokens <= max_tokens,
-               f"min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens})")]
+               f"min_tokens ({req.min_tokens}) exceeds {max_field} ({max_tokens})")]
     for param, ok, message in checks:
         if not ok:
             raise APIError(400, message, param=param)

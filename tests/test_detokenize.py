@@ -55,6 +55,20 @@ def test_multibyte_character_is_held_until_complete(bpe):
     assert stream(bpe, ids[:cut]) == bpe.decode(ids[:cut])
 
 
+def test_token_bytes_are_each_tokens_own_bytes(bpe):
+    """Logprobs report them: a byte-level piece of a character is its byte(s), not U+FFFD's."""
+    text = "x = '😀😀 你好, été"
+    pieces = [bpe.token_bytes(i) for i in bpe.encode(text)]
+    assert b"".join(pieces) == text.encode() and b"\xf0" in pieces
+    assert bpe.token_bytes(0) == b"<|endoftext|>" and bpe.token_bytes(0, skip_special_tokens=True) == b""
+    assert bpe.token_bytes(bpe.vocab_size + 5) == b""
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = random_ids(rng, bpe.vocab_size, [], rng.randint(1, 12))
+        joined = b"".join(bpe.token_bytes(i, skip_special_tokens=True) for i in ids)
+        assert joined.decode("utf-8", "replace") == bpe.decode(ids), ids
+
+
 def test_char_level_tokenizer_matches_whole_decode(tmp_path):
     write_char_tokenizer(tmp_path)
     tok = Tokenizer(tmp_path)

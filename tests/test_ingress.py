@@ -1,0 +1,272 @@
+"""The HTTP ingress without Ray: request checks, error shapes, logprobs and failures, over a scripted router.
+
+The router is scripted (a fake) for two reasons: request checks need no engine, and a choice that fails midway
+(an overloaded decode side, a failed transfer) while its siblings still run is a fault the real service only
+shows under contrived load. The real path is pinned by tests/test_serve.py (the same routes over Ray Serve), and
+the faults themselves by tests/test_disagg.py and tests/test_serve_backpressure.py."""
+
+import asyncio
+import concurrent.futures
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from fastapi.testclient import TestClient
+from ray import serve
+
+from engine.sequence import TokenLogprob
+from engine.tokenizer import Tokenizer
+from serve_app.ingress import Ingress, api
+from serve_app.metrics import ServiceMetrics
+from serve_app.protocol import APIError, ChatCompletionRequest, CompletionRequest, sampling_params
+from tests.test_serve_support import metric_samples, metric_sum, write_char_tokenizer
+
+DEMO = Path(__file__).resolve().parents[1] / "models" / "demo" / "target"
+MAX_MODEL_LEN = 64
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def tokens(ids: list[int], text: str = "", finished: bool = False, logprobs=None) -> dict:
+    chunk = {"type": "tokens", "token_ids": ids, "text": text, "finished": finished,
+             "finish_reason": "length" if finished else None, "num_cached_tokens": 0}
+    if logprobs is not None:
+        chunk["logprobs"] = logprobs
+    if finished:
+        chunk["spec"] = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+    return chunk
+
+
+class ScriptedRouter:
+    """The Router's ``stream``: each choice's chunks come from ``script(index)``, a list of chunks or "forever"
+    (a token every 10 ms until closed); records which choices' streams were closed."""
+
+    def __init__(self, script):
+        self.script = script
+        self.closed: list[int] = []
+
+    async def stream(self, request_id, prompt_ids, params):
+        index = int(request_id.rsplit("-", 1)[1])
+        try:
+            chunks = self.script(index)
+            if chunks == "forever":
+                yield tokens([5], "a")
+                while True:
+                    await asyncio.sleep(0.01)
+                    yield tokens([5], "a")
+            for chunk in chunks:
+                await asyncio.sleep(0.01 * index)
+                yield chunk
+        finally:
+            self.closed.append(index)
+
+
+class BareIngress(Ingress):
+    """The ingress's routes and methods on an object the test builds (no Serve replica, no hub, no reporter)."""
+
+    async def __init__(self):       # Serve's wrapper class demands an async constructor; never called
+        pass
+
+    def __del__(self):
+        pass
+
+
+@pytest.fixture
+def ingress(tmp_path, monkeypatch):
+    """A bare ingress behind FastAPI's TestClient, on the character tokenizer; a test may swap its ``router``
+    (a scripted one) and its tokenizer."""
+    write_char_tokenizer(tmp_path)
+    ing = object.__new__(BareIngress)
+    ing.service = SimpleNamespace(max_concurrent_requests=64)
+    ing.model_name, ing.vocab_size, ing.max_model_len = "tiny", 100, MAX_MODEL_LEN
+    ing.tokenizer = Tokenizer(tmp_path)
+    ing.metrics = ServiceMetrics("tiny")
+    ing.router = ScriptedRouter(lambda i: [tokens([40, 41], "ab", finished=True)])
+    ing.inflight, ing._ready, ing._ready_at, ing._refresh, ing._created = 0, True, float("inf"), None, 0
+    ing._cpu = concurrent.futures.ThreadPoolExecutor(1)
+    # Serve's class-based routes take ``self`` from the replica context.
+    monkeypatch.setattr(serve, "get_replica_context", lambda: SimpleNamespace(servable_object=ing))
+    with TestClient(api, raise_server_exceptions=False) as client:
+        ing.client = client
+        yield ing
+    ing._cpu.shutdown()
+
+
+def assert_error(r, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert body["error"]["param"] == param, body
+    return body["error"]
+
+
+# --- request checks -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("key", ["²", "١٢", "12 ", "-1", "0x1"])
+def test_logit_bias_keys_must_be_ascii_decimal_token_ids(key):
+    req = CompletionRequest(model="m", prompt="x", logit_bias={key: 1.0})
+    with pytest.raises(APIError) as e:
+        sampling_params(req, default_max_tokens=16, vocab_size=100)
+    assert (e.value.status, e.value.param) == (400, "logit_bias")
+    ok = sampling_params(CompletionRequest(model="m", prompt="x", logit_bias={"12": 1}), 16, 100)
+    assert dict(ok.logit_bias) == {12: 1.0}
+
+
+@pytest.mark.parametrize("path,field,value", [
+    ("/v1/completions", "max_tokens", True), ("/v1/completions", "max_tokens", "5"),
+    ("/v1/completions", "max_tokens", 5.0), ("/v1/completions", "n", True),
+    ("/v1/completions", "temperature", "0.5"), ("/v1/completions", "stream", "yes"),
+    ("/v1/completions", "echo", "on"), ("/v1/completions", "ignore_eos", "yes"),
+    ("/v1/completions", "prompt", [True, False]), ("/v1/completions", "logprobs", True),
+    ("/v1/completions", "seed", "7"), ("/v1/completions", "top_k", 1.0), ("/v1/completions", "best_of", 1.0),
+    ("/v1/completions", "min_tokens", False), ("/v1/completions", "stop_token_ids", [True]),
+    ("/v1/completions", "logit_bias", {"5": True}), ("/v1/completions", "return_token_ids", 1),
+    ("/v1/completions", "stream_options", {"include_usage": "yes"}), ("/v1/completions", "model", 5),
+    ("/v1/chat/completions", "logprobs", 1), ("/v1/chat/completions", "top_logprobs", 2.0),
+    ("/v1/chat/completions", "max_completion_tokens", "3"),
+    ("/v1/chat/completions", "messages", [{"role": "user", "content": 5}]),
+    ("/v1/chat/completions", "messages", [{"role": "user", "content": [{"type": "text", "text": 1}]}]),
+])
+def test_values_of_the_wrong_json_type_are_refused_not_coerced(ingress, path, field, value):
+    body = {**CHAT} if "chat" in path else {"model": "tiny", "prompt": "hi"}
+    r = ingress.client.post(path, json={**body, field: value})
+    assert assert_error(r, 422)["param"].split(".")[0] == field
+
+
+def test_numbers_given_as_integers_stay_numbers(ingress):
+    r = ingress.client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "temperature": 1, "top_p": 1,
+                                                     "presence_penalty": 0, "logit_bias": {"5": 1}})
+    assert r.status_code == 200, r.text
+
+
+def test_max_tokens_errors_name_the_field_the_client_sent():
+    chat = ChatCompletionRequest(**CHAT, max_completion_tokens=0)
+    with pytest.raises(APIError) as e:
+        sampling_params(chat, default_max_tokens=16, vocab_size=100)
+    assert e.value.param == "max_completion_tokens" and "max_completion_tokens" in e.value.message
+    with pytest.raises(APIError) as e:
+        sampling_params(CompletionRequest(model="m", prompt="x", best_of=0), 16, 100)
+    assert e.value.param == "best_of" and "best_of must be 1" in e.value.message
+
+
+@pytest.mark.parametrize("path,extra,param", [
+    ("/v1/chat/completions", {"max_tokens": 5}, "messages"),            # the prompt alone is over the context
+    ("/v1/chat/completions", {"max_completion_tokens": 5}, "messages"),
+    ("/v1/completions", {"max_tokens": 5}, "prompt"),
+])
+def test_a_prompt_over_the_context_is_named_even_with_max_tokens(ingress, path, extra, param):
+    long = "x" * (MAX_MODEL_LEN + 5)
+    body = {"model": "tiny", **extra}
+    body.update({"messages": [{"role": "user", "content": long}]} if "chat" in path else {"prompt": long})
+    assert assert_error(ingress.client.post(path, json=body), 400, param)["code"] == "context_length_exceeded"
+    # A short prompt with too many tokens asked for: the field that asked.
+    field = next(iter(extra))
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
+    body[field] = MAX_MODEL_LEN
+    assert_error(ingress.client.post(path, json=body), 400, field)
+
+
+@pytest.mark.parametrize("headers", [{"content-type": "text/plain"}, {"content-type": ""}, {},
+                                     {"content-type": "application/x-www-form-urlencoded"}])
+def test_a_json_body_of_another_content_type_is_415(ingress, headers):
+    r = ingress.client.post("/v1/completions", content=json.dumps({"model": "tiny", "prompt": "hi"}),
+                            headers=headers)
+    assert "Content-Type: application/json" in assert_error(r, 415)["message"]
+    ok = ingress.client.post("/v1/completions", content=json.dumps({"model": "tiny", "prompt": "hi"}),
+                             headers={"content-type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_model_is_retrieved_by_id_and_an_unknown_one_is_404(ingress):
+    r = ingress.client.get("/v1/models/tiny")
+    assert r.status_code == 200 and r.json()["id"] == "tiny" and r.json()["object"] == "model"
+    assert r.json() == ingress.client.get("/v1/models").json()["data"][0]
+    error = assert_error(ingress.client.get("/v1/models/other/name"), 404, "model")
+    assert error["code"] == "model_not_found"
+
+
+# --- failures ----------------------------------------------------------------------------------------------
+def overloaded_second_chunk(index: int):
+    if index == 0:
+        return [tokens([5], "a"), {"type": "error", "status": 503, "message": "no decode KV pages free",
+                                   "error_type": "overloaded"}]
+    return "forever"
+
+
+def counts(ingress) -> tuple[float, float]:
+    samples = metric_samples(ingress.metrics.own_text())
+    return (metric_sum(samples, "dflash_request_success_total"),
+            metric_sum(samples, "dflash_request_errors_total", error_type="overloaded"))
+
+
+def test_a_failed_choice_of_a_unary_request_keeps_its_error_and_stops_its_siblings(ingress):
+    ingress.router = ScriptedRouter(overloaded_second_chunk)
+    r = ingress.client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "n": 3, "max_tokens": 40})
+    error = assert_error(r, 503)
+    assert error["type"] == "overloaded" and r.headers["retry-after"] == "1"
+    # Every choice's stream was closed (its replica work cancelled), each counted once, as an error.
+    assert sorted(ingress.router.closed) == [0, 1, 2]
+    assert ingress.inflight == 0 and counts(ingress) == (0, 3)
+
+
+def test_a_failed_choice_of_a_stream_is_counted_as_an_error_and_the_others_as_successes(ingress):
+    ingress.router = ScriptedRouter(lambda i: overloaded_second_chunk(i) if i == 0 else
+                                    [tokens([5], "a"), tokens([6], "b", finished=True)])
+    r = ingress.client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "n": 2, "stream": True})
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and any(e.startswith('{"error"') for e in events)
+    assert ingress.inflight == 0 and counts(ingress) == (1, 1)
+
+
+# --- logprobs of byte-level tokens ------------------------------------------------------------------------
+@pytest.fixture
+def demo(ingress):
+    ingress.tokenizer = Tokenizer(DEMO)
+    ingress.vocab_size = ingress.tokenizer.vocab_size
+    return ingress
+
+
+def scripted_tokens(tok: Tokenizer, ids: list[int], top: int) -> ScriptedRouter:
+    """The ids in one finished chunk (the text as the engine gives it), each with ``top`` alternatives: itself and
+    the next ids (byte tokens of other characters' pieces)."""
+    entries = [TokenLogprob(t, -0.5, tuple((t + k, -0.5 - k) for k in range(top))) for t in ids]
+    return ScriptedRouter(lambda i: [tokens(ids, tok.decode(ids), finished=True, logprobs=entries)])
+
+
+def test_byte_tokens_keep_their_bytes_in_chat_logprobs(demo):
+    tok = demo.tokenizer
+    ids = tok.encode("😀")
+    assert len(ids) == 4 and all(tok.token_text(i) == "\ufffd" for i in ids)     # byte-level pieces
+    demo.router = scripted_tokens(tok, ids, top=2)
+    r = demo.client.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 2})
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert [c["bytes"] for c in content] == [[b] for b in "😀".encode()]
+    assert bytes(b for c in content for b in c["bytes"]).decode() == r.json()["choices"][0]["message"]["content"]
+    assert [c["token"] for c in content] == ["bytes:\\xf0", "bytes:\\x9f", "bytes:\\x98", "bytes:\\x80"]
+    for c, t in zip(content, ids):
+        assert [a["bytes"] for a in c["top_logprobs"]] == [list(tok.token_bytes(i)) for i in (t, t + 1)]
+        assert len({a["token"] for a in c["top_logprobs"]}) == 2         # distinct tokens, distinct texts
+
+
+def test_byte_tokens_stay_distinct_and_offsets_stay_in_the_text_in_completion_logprobs(demo):
+    tok = demo.tokenizer
+    ids = tok.encode("😀😀")[:6]
+    demo.router = scripted_tokens(tok, ids, top=3)
+    r = demo.client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "logprobs": 2})
+    choice = r.json()["choices"][0]
+    assert choice["text"] == "😀\ufffd"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["bytes:\\xf0", "bytes:\\x9f", "bytes:\\x98", "bytes:\\x80", "bytes:\\xf0", "bytes:\\x9f"]
+    assert lp["text_offset"] == [0, 0, 0, 0, 1, 1]
+    assert all(len(top) == 3 for top in lp["top_logprobs"])
+
+
+def test_completion_offsets_count_characters_not_bytes(demo):
+    tok = demo.tokenizer
+    ids = tok.encode("é😀a")
+    demo.router = scripted_tokens(tok, ids, top=1)
+    r = demo.client.post("/v1/completions", json={"model": "tiny", "prompt": "ab", "logprobs": 0})
+    lp = r.json()["choices"][0]["logprobs"]
+    text = r.json()["choices"][0]["text"]
+    assert text == "é😀a" and lp["text_offset"][-1] == 2 and max(lp["text_offset"]) < len(text)
+
