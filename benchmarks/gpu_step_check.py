@@ -18,7 +18,7 @@ per step, on the demo pair.
    Off CUDA the graphs' static padded inputs run eagerly (nothing is captured).
 5. Overlap (issue 12, item 4), the target alone and with the drafter: with steps launched ahead of the host
    (``overlap: on``) a batch of rows ending at different steps (max_tokens, a stop token; greedy, and a seeded
-   sampled row, drafted and rejection-sampled ahead with the drafter), together and then arriving one every 3 steps
+   sampled row, drafted and rejection-sampled ahead with the drafter, and a penalised one), together and then arriving one every 3 steps
    while the others decode, decodes the tokens (and per-step AL) of the same engine with ``overlap: off``, in float32
    and bf16; steps did launch ahead; the syncs the debug mode sees per decode step (the token read waits on an event,
    which it does not count: expect 0); the median decode step of each.
@@ -175,8 +175,11 @@ def overlap_matches_sync(device: str, prompts: list[str], max_tokens: int) -> li
                 kinds = [SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                          SamplingParams(max_tokens=max_tokens // 2, ignore_eos=True),
                          SamplingParams(max_tokens=max_tokens, stop_token_ids=[free[5]], ignore_eos=True)]
-                # Seeded sampled rows: with the drafter their drafts are drawn and rejection-sampled ahead too.
+                # Seeded sampled rows: with the drafter their drafts are drawn and rejection-sampled ahead too; and
+                # penalised rows, their counts kept on the device for the step launched ahead.
                 kinds.append(SamplingParams(max_tokens=max_tokens, temperature=0.8, top_k=20, seed=3, ignore_eos=True))
+                kinds.append(SamplingParams(max_tokens=max_tokens, presence_penalty=0.8, frequency_penalty=0.4,
+                                            logit_bias=((40, 3.0),), ignore_eos=True))
                 # The batch together, then the same requests arriving one every 3 steps while the others decode
                 # (with overlap on, each arrival has the batch read and rescheduled).
                 together = {0: [(prompt, kinds[i % len(kinds)], str(i)) for i, prompt in enumerate(ids)]}

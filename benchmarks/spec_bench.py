@@ -36,21 +36,21 @@ def _generate(engine, prompts, params, batch):
     return outputs, time.perf_counter() - t
 
 
-def sampling(max_tokens: int, count: int, temperature: float = 0.0) -> list:
+def sampling(max_tokens: int, count: int, temperature: float = 0.0, presence_penalty: float = 0.0) -> list:
     """Greedy parameters for ``count`` prompts, or (``temperature`` > 0) seeded sampled ones, prompt i with seed i:
-    two engines that draw alike give the same tokens."""
+    two engines that draw alike give the same tokens; with ``presence_penalty``, penalised."""
     from engine import SamplingParams
 
     if temperature <= 0:
-        return [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * count
-    return [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, ignore_eos=True)
-            for i in range(count)]
+        return [SamplingParams(max_tokens=max_tokens, presence_penalty=presence_penalty, ignore_eos=True)] * count
+    return [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, presence_penalty=presence_penalty,
+                           ignore_eos=True) for i in range(count)]
 
 
-def run(engine, prompts, max_tokens, batch, phases=True, temperature=0.0):
+def run(engine, prompts, max_tokens, batch, phases=True, temperature=0.0, presence_penalty=0.0):
     """Tokens/s of the prompts in batches of ``batch``; then, with ``phases``, the same again with the step's
     phases timed (each phase ends in a device sync, so that pass is slower and only gives the split)."""
-    params = sampling(max_tokens, len(prompts), temperature)
+    params = sampling(max_tokens, len(prompts), temperature, presence_penalty)
     outputs, elapsed = _generate(engine, prompts, params, batch)
     if phases:
         engine.phase_seconds = dict.fromkeys(engine.phase_seconds, 0.0)
@@ -78,7 +78,8 @@ def overlap_ab(args, engine, prompts) -> None:
     def timed(overlapped: bool, count: int, max_tokens: int) -> dict:
         engine.overlap, before = overlapped, engine.num_overlapped_steps
         try:
-            result = run(engine, prompts[:count], max_tokens, args.batch, phases=False, temperature=args.temperature)
+            result = run(engine, prompts[:count], max_tokens, args.batch, phases=False, temperature=args.temperature,
+                         presence_penalty=args.presence_penalty)
         finally:
             engine.overlap = True
         return {**result, "steps_ahead": engine.num_overlapped_steps - before}
@@ -89,7 +90,8 @@ def overlap_ab(args, engine, prompts) -> None:
               for _ in range(args.repeats)]
     ratios = sorted(p["overlapped"]["tokens_per_s"] / p["synchronous"]["tokens_per_s"] for p in passes)
     same = all(p["overlapped"]["outputs"] == p["synchronous"]["outputs"] for p in passes)
-    kind = "greedy" if args.temperature <= 0 else f"seeded, temperature {args.temperature:g}"
+    kind = ("greedy" if args.temperature <= 0 else f"seeded, temperature {args.temperature:g}") + \
+        (f", presence penalty {args.presence_penalty:g}" if args.presence_penalty else "")
     print(f"preset {args.preset} device {args.device} batch {args.batch}: {len(prompts)} prompts x "
           f"{args.max_tokens} tokens ({kind}), with the drafter; tokens identical both ways: {same}")
     for name in modes:
@@ -191,6 +193,7 @@ def main():
                          "folded in (triton: the engine's default, triton_ops.FUSED_LAYERS)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="> 0: seeded sampled requests (prompt i with seed i) instead of greedy ones")
+    ap.add_argument("--presence-penalty", type=float, default=0.0, help="penalised requests (--overlap-ab)")
     ap.add_argument("--overlap-ab", action="store_true",
                     help="compare the with-drafter engine with its steps overlapped (the host launching step N+1 "
                          "before reading N) against the same engine synchronous, taking turns; seeded requests must "

@@ -568,8 +568,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step; returns an output for every request that made progress or finished.
 
-        With overlap, a batch of decode rows (plain, or speculative with full draft blocks; greedy or sampled; no
-        logits processing or logprobs) runs one step ahead of the host: while the batch is
+        With overlap, a batch of decode rows (plain, or speculative with full draft blocks; greedy or sampled, with
+        penalties or a bias too; no min_tokens mask or logprobs) runs one step ahead of the host: while the batch is
         unchanged the step launches the next draft and forward from the device's tokens (and accept counts), then
         reads and processes the previous step's. A request that a token read then ends (EOS, a stop) had one more
         step computed for it, whose tokens are dropped and whose K/V lands past its end, in its own pages (never a
@@ -610,8 +610,8 @@ class LLMEngine:
                                      and self.runner.graphs.accepts(len(scheduled), spec.num_spec_tokens + 1)):
             return False
         drafts = spec.num_spec_tokens if spec is not None else 0
-        return all(s.is_decode and s.num_spec_tokens == drafts and s.request.logits_state is None
-                   and s.request.params.logprobs is None for s in scheduled)
+        return all(s.is_decode and s.num_spec_tokens == drafts and s.request.params.logprobs is None
+                   and (s.request.logits_state is None or s.request.logits_state.runs_ahead) for s in scheduled)
 
     def _launch_ahead(self, launched: _Launched) -> _Launched | None:
         """The step after ``launched``, launched from its device results, for its rows still running (a finished or
@@ -648,11 +648,27 @@ class LLMEngine:
                                                                                           choice.flat.device)]
         scheduled = [ScheduledRequest(launched.scheduled[i].request, 1) for i in choice.plain_order if i in keep]
         rows = [Row(s.request.request_id, s.request.num_computed_tokens + 1, 1) for s in scheduled]
-        logits, _ = self.runner.run(rows, ids, range(len(rows)))
+        for n, item in enumerate(scheduled):        # penalised rows: the launched token counts from now on
+            if item.request.logits_state is not None:
+                item.request.logits_state.count_ahead(ids[n:n + 1], ids.new_ones(1))
+        raw_logits, _ = self.runner.run(rows, ids, range(len(rows)))
         slices = [slice(i, i + 1) for i in range(len(rows))]
         proposals = [None] * len(rows)
+        logits = self._adjusted_ahead(raw_logits, scheduled, slices, proposals)
         return _Launched(scheduled, rows, slices, proposals, self._choose_tokens(scheduled, slices, proposals, logits),
-                         logits, None)
+                         raw_logits, None)
+
+    @staticmethod
+    def _adjusted_ahead(raw_logits: torch.Tensor, scheduled: list[ScheduledRequest], slices: list[slice],
+                        proposals: list[Proposal | None]) -> torch.Tensor:
+        """A step launched ahead's logits with its penalised rows' bias and penalties applied, as ``_forward``
+        applies them (their counts include the launched step's tokens: ``LogitsState.count_ahead``). Such rows
+        carry no min_tokens mask (``LogitsState.runs_ahead``), the one thing that needs the output's length,
+        which the host has not counted yet: ``num_output`` is not read."""
+        blocks = [LogitsBlock(item.request.logits_state, slices[i].start, slices[i].stop - slices[i].start, 0,
+                              proposals[i].tokens if proposals[i] is not None else None)
+                  for i, item in enumerate(scheduled) if item.request.logits_state is not None]
+        return adjust_logits(raw_logits, blocks) if blocks else raw_logits
 
     @torch.inference_mode()
     def _speculate_ahead(self, launched: _Launched, kept: list[int]) -> _Launched:
@@ -665,6 +681,13 @@ class LLMEngine:
         spec = self.speculator
         q = spec.num_spec_tokens + 1
         tokens, num_accepted = launched.choice.blocks(q, kept)
+        emitted = None
+        for n, i in enumerate(kept):        # penalised rows: the launched step's emitted tokens count from now on
+            state = launched.scheduled[i].request.logits_state
+            if state is not None:
+                if emitted is None:
+                    emitted = torch.arange(q, device=tokens.device)[None, :] <= num_accepted[:, None]
+                state.count_ahead(tokens[n], emitted[n])
         captured = launched.captured
         if len(kept) < len(launched.scheduled):
             index = upload(kept, torch.int64, captured.device)
@@ -677,8 +700,11 @@ class LLMEngine:
         anchors = tokens.gather(1, num_accepted[:, None])
         positions, meta = self.runner.metadata_ahead(request_ids, starts, q)
         drafts, probs = spec.draft_ahead(requests, anchors, starts, captured, num_accepted + 1, (positions, meta))
-        logits, captured = self.runner.run_ahead(q, torch.cat([anchors, drafts], 1).flatten(), positions, meta,
-                                                 spec.capture_layers)
+        raw_logits, captured = self.runner.run_ahead(q, torch.cat([anchors, drafts], 1).flatten(), positions, meta,
+                                                     spec.capture_layers)
+        slices = [slice(i * q, (i + 1) * q) for i in range(n)]
+        proposals = [Proposal(d) for d in drafts]
+        logits = self._adjusted_ahead(raw_logits, scheduled, slices, proposals)
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
         groups: dict[tuple[int, bool], list[int]] = {}
@@ -698,9 +724,8 @@ class LLMEngine:
             new_tokens, accepted = rejection_sample(drafts[rows], probs, p, [requests[i].generator for i in sampled])
             pieces += [new_tokens.flatten(), accepted]
         choice = _Choice(torch.cat(pieces), {True: [], False: []}, groups, n)
-        return _Launched(scheduled, [Row(rid, -1, q) for rid in request_ids],
-                         [slice(i * q, (i + 1) * q) for i in range(n)], [Proposal(d) for d in drafts], choice,
-                         logits, captured)
+        return _Launched(scheduled, [Row(rid, -1, q) for rid in request_ids], slices, proposals, choice, raw_logits,
+                         captured)
 
     def _settle(self, outputs: list[RequestOutput]) -> None:
         """After a step's outputs: finished requests leave, unless they hold their pages; those and the running ones

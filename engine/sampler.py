@@ -22,6 +22,7 @@ class LogitsState:
         self.params = params
         self.device = device
         self.bias = self.stop_mask = self.counts = self.prompt_mask = None
+        self.counted_ahead = False      # the next ``add``'s tokens were counted on the device already
         if params.logit_bias:
             ids, values = zip(*params.logit_bias)
             self.bias = torch.zeros(vocab_size, device=device)
@@ -45,11 +46,29 @@ class LogitsState:
             return None
         return state
 
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether a step may be launched from this request's tokens before the host has read them: not while a
+        min_tokens mask applies (it needs the output's length, which the host counts)."""
+        return self.stop_mask is None
+
     def add(self, tokens: Sequence[int]) -> None:
-        """Count newly emitted output tokens."""
+        """Count newly emitted output tokens (not again those ``count_ahead`` counted)."""
+        if self.counted_ahead:
+            self.counted_ahead = False
+            return
         if self.counts is not None and tokens:
             ids = upload(tokens, torch.int64, self.device)
             self.counts.index_add_(0, ids, torch.ones(len(tokens), device=self.device))
+
+    def count_ahead(self, tokens: torch.Tensor, weights: torch.Tensor) -> None:
+        """Count a step's output ``tokens`` (``weights``: 1 for each token emitted, 0 for the rest of its row) on the
+        device, before the host has read them, for the step launched from them; the host's ``add`` of those tokens
+        is then skipped. The host appends every emitted token of a row that goes on (only a row that ends, whose
+        counts are not needed again, appends fewer)."""
+        if self.counts is not None:
+            self.counts.index_add_(0, tokens, weights.to(self.counts.dtype))
+            self.counted_ahead = True
 
 
 @dataclass(frozen=True)

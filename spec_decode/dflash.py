@@ -26,15 +26,21 @@ from spec_decode.drafter import DFlashDrafter
 
 
 def choose_drafts(logits: torch.Tensor, requests: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Drafts ``[B, K]`` from drafter logits ``[B, K, V]``, on the device: greedy rows take the argmax, sampled rows
-    draw from their distributions (each seeded row from its own generator), which come back for the sampled rows in
+    """Drafts ``[B, K]`` from drafter logits ``[B, K, V]`` (adjusted for the requests' penalties and bias), on the
+    device: greedy rows take the argmax, sampled rows draw from their distributions (each seeded row from its own generator), which come back for the sampled rows in
     row order (``[S, K, V]``; None when every row is greedy) for verification by rejection sampling. Eager and
     ahead steps draft through this one function, so a seeded row draws the same numbers either way."""
+    count = logits.shape[1]
+    # The target verifies under the request's bias, min_tokens mask and penalties: drafting under them too keeps
+    # acceptance up (the block's own drafts are not known yet, so its counts stop at the anchor).
+    blocks = [LogitsBlock(r.logits_state, j * count, count, len(r.output_token_ids))
+              for j, r in enumerate(requests) if r.logits_state is not None]
+    if blocks:
+        logits = adjust_logits(logits.flatten(0, 1), blocks).view_as(logits)
     drafts = logits.argmax(-1)
     sampled = [j for j, r in enumerate(requests) if not r.params.greedy]
     if not sampled:
         return drafts, None
-    count = logits.shape[1]
     index = upload(sampled, torch.int64, logits.device)
     q = probabilities(logits[index].flatten(0, 1), [requests[j].params for j in sampled
                                                       for _ in range(count)]).view(len(sampled), count, -1)
@@ -220,15 +226,8 @@ class DFlashSpeculator:
         proposals: dict[int, Proposal] = {}
         for count in sorted({s.num_spec_tokens for s in rows}):
             group = [i for i, s in enumerate(rows) if s.num_spec_tokens == count]
-            logits = self.draft_logits([rows[i].request for i in group], count)
-            # The target verifies under the request's bias, min_tokens mask and penalties: drafting under them too
-            # keeps acceptance up (the block's own drafts are not known yet, so its counts stop at the anchor).
-            blocks = [LogitsBlock(r.logits_state, j * count, count, len(r.output_token_ids))
-                      for j, r in enumerate(rows[i].request for i in group) if r.logits_state is not None]
-            if blocks:
-                logits = adjust_logits(logits.flatten(0, 1), blocks).view_as(logits)
             requests = [rows[i].request for i in group]
-            drafts, q = choose_drafts(logits, requests)
+            drafts, q = choose_drafts(self.draft_logits(requests, count), requests)
             sampled = [j for j, r in enumerate(requests) if not r.params.greedy]
             where = {j: n for n, j in enumerate(sampled)}
             for j, i in enumerate(group):
