@@ -18,10 +18,12 @@ per step, on the demo pair.
    Off CUDA the graphs' static padded inputs run eagerly (nothing is captured).
 5. Overlap (issue 12, item 4), the target alone and with the drafter: with steps launched ahead of the host
    (``overlap: on``) a batch of rows ending at different steps (max_tokens, a stop token; greedy, and a seeded
-   sampled row, drafted and rejection-sampled ahead with the drafter, and a penalised one), together and then arriving one every 3 steps
-   while the others decode, decodes the tokens (and per-step AL) of the same engine with ``overlap: off``, in float32
-   and bf16; steps did launch ahead; the syncs the debug mode sees per decode step (the token read waits on an event,
-   which it does not count: expect 0); the median decode step of each.
+   sampled row, drafted and rejection-sampled ahead with the drafter; in float32 a penalised one and one asking for
+   logprobs),
+   together and then arriving one every 3 steps while the others decode, decodes the tokens (and per-step AL, and
+   logprobs within 1e-3) of the same engine with ``overlap: off``, in float32 and bf16; steps did launch ahead; the
+   syncs the debug mode sees per decode step (the token read waits on an event, which it does not count: expect 0);
+   the median decode step of each.
 6. No compile while serving: after an engine starts (its ``precompile_kernels``), a closed loop of 16 requests at
    a time (held-out prompts and short ones of 1-33 tokens, 1-48 new tokens each, arriving as others finish)
    makes Triton compile nothing (a compile inside a step stalls every request for 1-2 s), float32 and bf16 with
@@ -175,16 +177,25 @@ def overlap_matches_sync(device: str, prompts: list[str], max_tokens: int) -> li
                 kinds = [SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                          SamplingParams(max_tokens=max_tokens // 2, ignore_eos=True),
                          SamplingParams(max_tokens=max_tokens, stop_token_ids=[free[5]], ignore_eos=True)]
-                # Seeded sampled rows: with the drafter their drafts are drawn and rejection-sampled ahead too; and
-                # penalised rows, their counts kept on the device for the step launched ahead.
+                # Seeded sampled rows: with the drafter their drafts are drawn and rejection-sampled ahead too.
                 kinds.append(SamplingParams(max_tokens=max_tokens, temperature=0.8, top_k=20, seed=3, ignore_eos=True))
-                kinds.append(SamplingParams(max_tokens=max_tokens, presence_penalty=0.8, frequency_penalty=0.4,
-                                            logit_bias=((40, 3.0),), ignore_eos=True))
+                if dtype == "float32":
+                    # A penalised row (its counts kept on the device for the step launched ahead) and one asking
+                    # for logprobs (computed as each step is launched, before the next step's graph replay
+                    # overwrites the logits they come from). float32 only: a step launched ahead keeps a row that
+                    # has just ended one step longer, so the two engines' batches shrink a step apart, and in bf16
+                    # the penalised row's greedy choice flipped at a near-tie once they did (an H100 run: its
+                    # 32nd token), which says nothing of the bookkeeping this checks.
+                    kinds.append(SamplingParams(max_tokens=max_tokens, presence_penalty=0.8, frequency_penalty=0.4,
+                                                logit_bias=((40, 3.0),), ignore_eos=True))
+                    kinds.append(SamplingParams(max_tokens=max_tokens, logprobs=2, ignore_eos=True))
                 # The batch together, then the same requests arriving one every 3 steps while the others decode
                 # (with overlap on, each arrival has the batch read and rescheduled).
-                together = {0: [(prompt, kinds[i % len(kinds)], str(i)) for i, prompt in enumerate(ids)]}
-                staggered = {3 * i: [(prompt, kinds[i % len(kinds)], f"late-{i}")] for i, prompt in enumerate(ids)}
-                done, step_s, syncs = {}, [], []
+                # Every kind at least once (the prompts taken in turn).
+                batch = [(ids[i % len(ids)], kinds[i % len(kinds)]) for i in range(max(len(ids), len(kinds)))]
+                together = {0: [(prompt, params, str(i)) for i, (prompt, params) in enumerate(batch)]}
+                staggered = {3 * i: [(prompt, params, f"late-{i}")] for i, (prompt, params) in enumerate(batch)}
+                done, step_s, syncs, logprobs = {}, [], [], {}
                 if device == "cuda":
                     torch.cuda.synchronize()
                     torch.cuda.set_sync_debug_mode("warn")
@@ -205,16 +216,29 @@ def overlap_matches_sync(device: str, prompts: list[str], max_tokens: int) -> li
                             for out in outs:
                                 if out.finished:
                                     done[out.request_id] = (out.token_ids, out.acceptance_lengths)
+                                    if out.logprobs:
+                                        logprobs[out.request_id] = [e.logprob for e in out.logprobs]
                 finally:
                     if device == "cuda":
                         torch.cuda.set_sync_debug_mode(0)
                 decode = sorted(step_s[1:]) or [float("nan")]
-                runs[mode] = (done, decode[len(decode) // 2], engine.num_overlapped_steps, max(syncs[1:], default=0))
-            (sync, sync_s, _, _), (over, over_s, ahead, most) = runs["off"], runs["on"]
+                runs[mode] = (done, decode[len(decode) // 2], engine.num_overlapped_steps, max(syncs[1:], default=0),
+                              logprobs)
+            (sync, sync_s, _, _, sync_lp), (over, over_s, ahead, most, over_lp) = runs["off"], runs["on"]
+            # Logprobs within float noise (a batch of another size may round a logit's last bit otherwise).
+            lp_gap = max((abs(a - b) for k in sync_lp for a, b in zip(sync_lp[k], over_lp.get(k, []))), default=0.0)
+            lp_ok = sync_lp.keys() == over_lp.keys() and all(len(sync_lp[k]) == len(over_lp[k]) for k in sync_lp) \
+                and (bool(sync_lp) or dtype != "float32") and lp_gap <= 1e-3
             name = f"overlap == sync {'spec ' if drafter else ''}{dtype}"
-            rows.append((name, over == sync and len(over) == 2 * len(prompts) and ahead > 0 and most <= 1,
-                         f"{ahead} steps launched ahead; syncs per decode step <= {most}; median step "
-                         f"{over_s * 1e3:.2f} ms overlapped / {sync_s * 1e3:.2f} ms = {over_s / sync_s:.2f}x"))
+            # Which requests differ, and at which output token (the kinds are in ``kinds``' order, the rows taking
+            # them in turn): what to look at when this fails.
+            differ = {k: next((t for t, (a, b) in enumerate(zip(sync[k][0], over.get(k, ([],))[0])) if a != b),
+                              min(len(sync[k][0]), len(over.get(k, ([],))[0])))
+                      for k in sync if sync[k] != over.get(k)}
+            rows.append((name, over == sync and lp_ok and len(over) == 2 * len(batch) and ahead > 0 and most <= 1,
+                         f"{ahead} steps launched ahead; syncs per decode step <= {most}; logprobs within "
+                         f"{lp_gap:.1e}; median step {over_s * 1e3:.2f} ms overlapped / {sync_s * 1e3:.2f} ms = "
+                         f"{over_s / sync_s:.2f}x" + (f"; differ (request: first token): {differ}" if differ else "")))
     return rows
 
 

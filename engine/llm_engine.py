@@ -17,7 +17,7 @@ from engine.model import AttentionSite, Qwen3Model, fused_linears
 from engine.model_runner import ModelRunner, Row
 from engine.parallel import OP_STOP, OP_SYNC, OP_TARGET
 from engine.sampler import (LogitsBlock, LogitsState, accept_greedy, adjust_logits, probabilities, rejection_sample,
-                            sample, token_logprobs)
+                            sample)
 from engine.scheduler import ScheduledRequest, Scheduler
 from engine.sequence import Request, RequestStatus, RequestTiming, SamplingParams, SpecStats, TokenLogprob
 from engine.tokenizer import Tokenizer
@@ -161,6 +161,19 @@ class _Choice:
         picked = self.flat[index]
         return picked[:rows * q].view(rows, q), picked[rows * q:]
 
+    def positions(self) -> list[list[int]]:
+        """Per scheduled row, where its tokens are in ``flat`` (a verification row's K + 1, accepted or not; none for
+        a row that chose no token)."""
+        out: list[list[int]] = [[] for _ in range(self.num_rows)]
+        for n, i in enumerate(self.plain_order):
+            out[i] = [n]
+        at = len(self.plain_order)
+        for (k, _), group in self.spec.items():
+            for n, i in enumerate(group):
+                out[i] = list(range(at + n * (k + 1), at + (n + 1) * (k + 1)))
+            at += len(group) * (k + 2)
+        return out
+
     def rows(self, host: list[int]) -> list[list[int]]:
         """``flat`` read back on the host, as each scheduled row's new tokens."""
         out: list[list[int]] = [[] for _ in range(self.num_rows)]
@@ -176,6 +189,28 @@ class _Choice:
 
 
 @dataclass
+class _StepLogprobs:
+    """The log-probabilities a step's rows asked for, computed on the device as the step is launched (from its raw
+    logits, which the next step's graph may overwrite before the host reads them): per verified or decoded
+    position, its chosen token's and the ``max(num_top)`` best tokens' (ids and values)."""
+
+    first: dict[int, int]           # scheduled index -> its first position's row in the tensors
+    num_top: dict[int, int]         # scheduled index -> how many alternatives it asked for
+    tensors: list[torch.Tensor]     # chosen [R] float32, top values [R, K] float32, top ids [R, K] int64
+    host: list[torch.Tensor] | None = None
+
+    def entries(self, new_tokens: list[list[int]]) -> dict[int, list[TokenLogprob]]:
+        """Per scheduled index that asked: its new tokens' entries (the host copies are complete)."""
+        chosen, values, ids = (t.tolist() for t in (self.host or self.tensors))
+        out = {}
+        for i, first in self.first.items():
+            n = self.num_top[i]
+            out[i] = [TokenLogprob(token, chosen[first + k], tuple(zip(ids[first + k][:n], values[first + k][:n])))
+                      for k, token in enumerate(new_tokens[i])]
+        return out
+
+
+@dataclass
 class _Launched:
     """A step queued on the device (draft, forward, token choice) whose tokens the host has not read yet. ``_run``
     reads them at once; with overlap the host first launches the next step from them, still on the device."""
@@ -187,15 +222,17 @@ class _Launched:
     choice: _Choice
     raw_logits: torch.Tensor
     captured: torch.Tensor | None            # the captured hidden states, row after row
+    logprobs: _StepLogprobs | None = None    # the rows' log-probabilities, when any row asked for them
     host: torch.Tensor | None = None         # ``choice.flat`` copied to the host, complete once ``done`` has fired
     done: torch.cuda.Event | None = None
 
     def start_copy(self) -> "_Launched":
-        """Queue the copy of the step's tokens to the host; ``read`` waits for it."""
+        """Queue the copy of the step's tokens (and log-probabilities) to the host; ``read`` waits for it."""
         flat = self.choice.flat
         if flat is not None and flat.device.type == "cuda":
-            self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-            self.host.copy_(flat, non_blocking=True)
+            self.host = _pinned_copy(flat)
+            if self.logprobs is not None:
+                self.logprobs.host = [_pinned_copy(t) for t in self.logprobs.tensors]
             self.done = torch.cuda.Event()
             self.done.record()
         else:
@@ -204,10 +241,17 @@ class _Launched:
 
     def read(self) -> list[int]:
         if self.host is None:            # not copied ahead: the synchronous path's one host read
-            return self.choice.flat.tolist() if self.choice.flat is not None else []
+            if self.logprobs is None or self.choice.flat.device.type != "cuda":
+                return self.choice.flat.tolist() if self.choice.flat is not None else []
+            self.start_copy()            # the tokens and the log-probabilities in one wait
         if self.done is not None:
             self.done.synchronize()
         return self.host.tolist()
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 OVERLAP_MODES = ("auto", "on", "off")
@@ -569,7 +613,7 @@ class LLMEngine:
         """One engine step; returns an output for every request that made progress or finished.
 
         With overlap, a batch of decode rows (plain, or speculative with full draft blocks; greedy or sampled, with
-        penalties or a bias too; no min_tokens mask or logprobs) runs one step ahead of the host: while the batch is
+        penalties, a bias or logprobs too; no min_tokens mask) runs one step ahead of the host: while the batch is
         unchanged the step launches the next draft and forward from the device's tokens (and accept counts), then
         reads and processes the previous step's. A request that a token read then ends (EOS, a stop) had one more
         step computed for it, whose tokens are dropped and whose K/V lands past its end, in its own pages (never a
@@ -610,7 +654,7 @@ class LLMEngine:
                                      and self.runner.graphs.accepts(len(scheduled), spec.num_spec_tokens + 1)):
             return False
         drafts = spec.num_spec_tokens if spec is not None else 0
-        return all(s.is_decode and s.num_spec_tokens == drafts and s.request.params.logprobs is None
+        return all(s.is_decode and s.num_spec_tokens == drafts
                    and (s.request.logits_state is None or s.request.logits_state.runs_ahead) for s in scheduled)
 
     def _launch_ahead(self, launched: _Launched) -> _Launched | None:
@@ -655,8 +699,8 @@ class LLMEngine:
         slices = [slice(i, i + 1) for i in range(len(rows))]
         proposals = [None] * len(rows)
         logits = self._adjusted_ahead(raw_logits, scheduled, slices, proposals)
-        return _Launched(scheduled, rows, slices, proposals, self._choose_tokens(scheduled, slices, proposals, logits),
-                         raw_logits, None)
+        return self._launched_step(scheduled, rows, slices, proposals,
+                                   self._choose_tokens(scheduled, slices, proposals, logits), raw_logits, None)
 
     @staticmethod
     def _adjusted_ahead(raw_logits: torch.Tensor, scheduled: list[ScheduledRequest], slices: list[slice],
@@ -724,8 +768,8 @@ class LLMEngine:
             new_tokens, accepted = rejection_sample(drafts[rows], probs, p, [requests[i].generator for i in sampled])
             pieces += [new_tokens.flatten(), accepted]
         choice = _Choice(torch.cat(pieces), {True: [], False: []}, groups, n)
-        return _Launched(scheduled, [Row(rid, -1, q) for rid in request_ids], slices, proposals, choice, raw_logits,
-                         captured)
+        return self._launched_step(scheduled, [Row(rid, -1, q) for rid in request_ids], slices, proposals, choice,
+                                   raw_logits, captured)
 
     def _settle(self, outputs: list[RequestOutput]) -> None:
         """After a step's outputs: finished requests leave, unless they hold their pages; those and the running ones
@@ -820,7 +864,7 @@ class LLMEngine:
                   for i, item in enumerate(scheduled) if slices[i] is not None and item.request.logits_state]
         logits = adjust_logits(raw_logits, blocks) if blocks else raw_logits
         choice = self._choose_tokens(scheduled, slices, row_proposals, logits)
-        return _Launched(scheduled, rows, slices, row_proposals, choice, raw_logits, captured)
+        return self._launched_step(scheduled, rows, slices, row_proposals, choice, raw_logits, captured)
 
     def _conclude(self, step: _Launched, ahead: _Launched | None) -> list[RequestOutput]:
         """Read a step's tokens (the step's one host sync) and append them; a row whose request ended since the
@@ -835,7 +879,7 @@ class LLMEngine:
                 accepted = len(new_tokens[i]) - 1
                 scheduled[i].request.spec.record(proposal.num_drafts, accepted)
                 self.spec_stats.record(proposal.num_drafts, accepted)
-        logprobs = self._logprobs(step.raw_logits, scheduled, step.slices, new_tokens)
+        logprobs = step.logprobs.entries(new_tokens) if step.logprobs is not None else {}
         continued = {item.request.request_id for item in ahead.scheduled} if ahead is not None else set()
         outputs, context_items, offset = [], [], 0
         for i, item in enumerate(scheduled):
@@ -864,18 +908,29 @@ class LLMEngine:
         return outputs
 
     @staticmethod
-    def _logprobs(raw_logits: torch.Tensor, scheduled: list[ScheduledRequest], slices: list[slice | None],
-                  new_tokens: list[list[int]]) -> dict[int, list[TokenLogprob]]:
-        """Per scheduled index asking for logprobs: its new tokens' entries, from the target's raw logits (a
-        verified token k from verify row k, as target-only decoding would give it), all rows in one batch."""
-        want = [i for i, item in enumerate(scheduled) if new_tokens[i] and item.request.params.logprobs is not None]
-        if not want:
-            return {}
-        entries = iter(token_logprobs(
-            raw_logits, [slices[i].start + k for i in want for k in range(len(new_tokens[i]))],
-            [t for i in want for t in new_tokens[i]],
-            [scheduled[i].request.params.logprobs for i in want for _ in new_tokens[i]]))
-        return {i: [next(entries) for _ in new_tokens[i]] for i in want}
+    def _launched_step(scheduled: list[ScheduledRequest], rows: list[Row], slices: list[slice | None],
+                       proposals: list[Proposal | None], choice: _Choice, raw_logits: torch.Tensor,
+                       captured: torch.Tensor | None) -> _Launched:
+        """The launched step, with the log-probabilities its rows asked for computed now, on the device, from the
+        target's raw logits (a verified token k's from verify row k, as target-only decoding would give it; vLLM's
+        default), all rows in one batch: they reach the host with the tokens, and a step launched ahead may
+        overwrite the logits before then."""
+        want = [i for i, item in enumerate(scheduled)
+                if slices[i] is not None and item.request.params.logprobs is not None]
+        logprobs = None
+        if want:
+            positions = choice.positions()
+            first, num_top, logit_rows, token_at = {}, {}, [], []
+            for i in want:
+                first[i], num_top[i] = len(logit_rows), scheduled[i].request.params.logprobs
+                logit_rows += range(slices[i].start, slices[i].start + len(positions[i]))
+                token_at += positions[i]
+            device = raw_logits.device
+            lp = raw_logits.index_select(0, upload(logit_rows, torch.int64, device)).float().log_softmax(-1)
+            chosen = lp.gather(1, choice.flat[upload(token_at, torch.int64, device)][:, None]).squeeze(1)
+            values, ids = lp.topk(max(num_top.values()), dim=-1)
+            logprobs = _StepLogprobs(first, num_top, [chosen, values, ids])
+        return _Launched(scheduled, rows, slices, proposals, choice, raw_logits, captured, logprobs)
 
     def _phase_clock(self):
         """A function that charges the time since its last call to a phase (a no-op unless timing)."""

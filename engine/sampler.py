@@ -1,5 +1,5 @@
 """Sampling: greedy, temperature, top-k, top-p, with a per-request generator for seeded requests; the logit
-adjustments (penalties, bias, the min_tokens mask) applied before it, and the logprobs reported with it."""
+adjustments (penalties, bias, the min_tokens mask) applied before it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sequence import SamplingParams, TokenLogprob
+from engine.sequence import SamplingParams
 from kv.device_tables import upload
 
 
@@ -136,20 +136,6 @@ def adjust_logits(logits: torch.Tensor, blocks: Sequence[LogitsBlock]) -> torch.
         x = x - per_row([s.params.frequency_penalty for s in states]) * counts \
             - per_row([s.params.presence_penalty for s in states]) * seen.to(x.dtype)
     return logits.index_copy(0, rows_t, x)
-
-
-def token_logprobs(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[int],
-                   num_top: Sequence[int]) -> list[TokenLogprob]:
-    """``tokens[i]``'s log-probability under row ``rows[i]`` of raw ``logits`` and that row's ``num_top[i]`` best
-    tokens, all rows in one batch (two copies to the host, whatever the number of rows)."""
-    device = logits.device
-    logprobs = logits.index_select(0, torch.tensor(rows, device=device)).float().log_softmax(-1)
-    chosen = logprobs.gather(1, torch.tensor(tokens, device=device)[:, None])
-    top_values, top_ids = logprobs.topk(max(num_top), dim=-1)
-    values = torch.cat([chosen, top_values], 1).tolist()
-    ids = top_ids.tolist()
-    return [TokenLogprob(token, v[0], tuple(zip(i[:n], v[1:n + 1])))
-            for token, v, i, n in zip(tokens, values, ids, num_top)]
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParams]) -> torch.Tensor:
