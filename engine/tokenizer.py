@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer as _Tokenizer
@@ -30,17 +31,56 @@ class Tokenizer:
         self._decoder_types: frozenset[str] | None = None
         self._bytes: dict[int, bytes] = {}          # ids' own bytes, as token_bytes() met them
         self._alphabet: dict[str, int] | None = None
-        self._special_ids: frozenset[int] = frozenset(
-            i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        added = self._tok.get_added_tokens_decoder()
+        self._special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        self._special_by_text = {added[i].content: i for i in sorted(self._special_ids)}
+        # Longest first: where two control tokens start at one place, the longer is the token, as the tokenizer's
+        # own matching takes it; a token that strips whitespace beside it takes that whitespace along.
+        alternatives = [(r"\s*" if added[i].lstrip else "") + re.escape(text) + (r"\s*" if added[i].rstrip else "")
+                        for text, i in sorted(self._special_by_text.items(), key=lambda kv: -len(kv[0]))]
+        self._special_re = re.compile("|".join(alternatives)) if alternatives else None
+        self._as_text: _Tokenizer | None = None
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, literal: Sequence[tuple[int, int]] = ()) -> list[int]:
+        """Token ids of ``text``, a special token's text read as that token, except where it lies in one of the
+        ``literal`` ``(start, end)`` character spans: there it is ordinary text (a chat message's content must not
+        open a turn of its own). Outside those spans the text is cut where it would be anyway, at its special
+        tokens, so the ids equal ``encode(text)``'s wherever no literal span holds one."""
         # encode_batch releases the GIL while it works (encode holds it): a long prompt tokenized on a
         # server's worker thread must not stall its event loop.
-        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        if not literal or self._special_re is None:
+            return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        pieces: list[str | int] = []        # text to tokenize, or a control token's id
+        start = 0
+        for match in self._special_re.finditer(text):
+            token = match.group().strip()       # less the whitespace it strips beside it
+            first = match.start() + match.group().index(token)
+            if any(a < first + len(token) and first < b for a, b in literal):
+                continue
+            pieces += [text[start:match.start()], self._special_by_text[token]]
+            start = match.end()
+        pieces.append(text[start:])
+        texts = [p for p in pieces if isinstance(p, str)]
+        encoded = iter(self._text_tokenizer().encode_batch(texts, add_special_tokens=False))
+        return [i for p in pieces for i in ([p] if isinstance(p, int) else next(encoded).ids)]
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        """The special (control) tokens' texts."""
+        return tuple(self._special_by_text)
+
+    def _text_tokenizer(self) -> _Tokenizer:
+        """A copy of the tokenizer that reads special tokens' text as ordinary characters (a copy: the flag
+        belongs to the object, which other threads encode with)."""
+        if self._as_text is None:
+            tok = _Tokenizer.from_str(self._tok.to_str())
+            tok.encode_special_tokens = True
+            self._as_text = tok
+        return self._as_text
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

@@ -22,6 +22,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -411,13 +412,14 @@ class Ingress:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            "invalid_request_error", "model", "model_not_found")
 
-    def _encode(self, prompt, param: str) -> list[int]:
-        """Token ids of a prompt (text or ids); runs on the tokenizer pool."""
+    def _encode(self, prompt, param: str, literal: Sequence[tuple[int, int]] = ()) -> list[int]:
+        """Token ids of a prompt (text or ids; in ``literal`` spans of a text, control tokens' text is plain
+        text); runs on the tokenizer pool."""
         if isinstance(prompt, str):
             check_text(prompt, param)
             if self.tokenizer is None:
                 raise APIError(400, "this model has no tokenizer; send token ids", param=param)
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, literal)
         else:
             ids = list(prompt)
             if any(not 0 <= t < self.vocab_size for t in ids):
@@ -497,7 +499,7 @@ class Ingress:
         await self._check_ready()
         self._admit(body.n, "n")
         try:
-            ids = await self._offload(lambda: self._encode(self._render(body.messages), "messages"))
+            ids = await self._offload(lambda: self._encode_chat(body.messages))
             params = sampling_params(body, default_max_tokens=max(1, self.max_model_len - len(ids)),
                                      vocab_size=self.vocab_size)
             self._check_context(ids, params, body, "messages")
@@ -506,12 +508,17 @@ class Ingress:
             raise
         return await self._serve(body, [ids], params, chat=True)
 
-    def _render(self, messages) -> str:
+    def _encode_chat(self, messages) -> list[int]:
+        text, literal = self._render(messages)
+        return self._encode(text, "messages", literal)
+
+    def _render(self, messages) -> tuple[str, list[tuple[int, int]]]:
+        """The prompt's text, and the spans where a message's content wrote a control token's text."""
         for i, m in enumerate(messages):
             check_text(m.text, f"messages.{i}.content")
         special = {k: self.tokenizer.config.get(k) or "" for k in ("bos_token", "eos_token")}
         special = {k: v.get("content", "") if isinstance(v, dict) else v for k, v in special.items()}
-        return render_chat(messages, self.tokenizer.chat_template, special)
+        return render_chat(messages, self.tokenizer.chat_template, special, self.tokenizer.special_tokens)
 
     # --- responses ----------------------------------------------------------------------------------
     async def _serve(self, body, prompts: list[list[int]], params: SamplingParams, chat: bool,

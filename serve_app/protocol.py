@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import secrets
+from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
@@ -352,12 +355,43 @@ def sampling_params(req: _SamplingFields, default_max_tokens: int, vocab_size: i
         raise APIError(400, str(e), param=param) from None
 
 
-def render_chat(messages: list[ChatMessage], template: str | None, special: dict[str, str]) -> str:
-    """The tokenizer config's Jinja chat template, or the plain default ``<role>: <content>`` lines."""
-    if not template:
-        return "".join(f"{m.role}: {m.text}\n" for m in messages) + "assistant:"
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+def render_chat(messages: list[ChatMessage], template: str | None, special: dict[str, str],
+                control_tokens: Sequence[str] = ()) -> tuple[str, list[tuple[int, int]]]:
+    """The tokenizer config's Jinja chat template, or the plain default ``<role>: <content>`` lines; and the
+    spans of the text where a message's content held a control token's text (``control_tokens``), which the
+    tokenizer is to read as ordinary characters there. The template sees each such occurrence as a placeholder
+    (private-use characters and a nonce a client cannot guess), so it cannot mistake it for its own markup,
+    and whatever it does to the content around it (strip, split) is done as it would be to the original."""
+    # Digits as private-use characters too: a template's string filters (replace, upper) must not touch them.
+    digits = "".join(map(chr, range(0xE010, 0xE020)))
+    nonce = "".join(digits[b & 15] for b in secrets.token_bytes(12))
+    found: list[str] = []
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(template).render(messages=[{"role": m.role, "content": m.text} for m in messages],
-                                            add_generation_prompt=True, **special)
+    def hide(match: re.Match) -> str:
+        found.append(match.group())
+        return "\ue000" + nonce + "".join(digits[int(d)] for d in str(len(found) - 1)) + "\ue001"
+
+    pattern = re.compile("|".join(map(re.escape, sorted(control_tokens, key=len, reverse=True)))) \
+        if control_tokens else None
+    contents = [m.text if pattern is None else pattern.sub(hide, m.text) for m in messages]
+    if not template:
+        text = "".join(f"{m.role}: {c}\n" for m, c in zip(messages, contents)) + "assistant:"
+    else:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        text = env.from_string(template).render(
+            messages=[{"role": m.role, "content": c} for m, c in zip(messages, contents)],
+            add_generation_prompt=True, **special)
+    if not found:
+        return text, []
+    parts, spans, length, start = [], [], 0, 0
+    for match in re.finditer(f"\ue000{nonce}([{digits}]+)\ue001", text):
+        original = found[int("".join(str(digits.index(d)) for d in match.group(1)))]
+        parts += [text[start:match.start()], original]
+        length += match.start() - start
+        spans.append((length, length + len(original)))
+        length += len(original)
+        start = match.end()
+    parts.append(text[start:])
+    return "".join(parts), spans
