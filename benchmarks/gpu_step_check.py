@@ -179,6 +179,10 @@ def overlap_matches_sync(device: str, prompts: list[str], max_tokens: int) -> li
                          SamplingParams(max_tokens=max_tokens, stop_token_ids=[free[5]], ignore_eos=True)]
                 # Seeded sampled rows: with the drafter their drafts are drawn and rejection-sampled ahead too.
                 kinds.append(SamplingParams(max_tokens=max_tokens, temperature=0.8, top_k=20, seed=3, ignore_eos=True))
+                # A min_tokens row whose stop token every position wants: ahead, its output length counts the
+                # launched step's tokens on the device, so it stops at its 10th token in both engines.
+                kinds.append(SamplingParams(max_tokens=max_tokens, min_tokens=9, stop_token_ids=[free[5]],
+                                            logit_bias=((free[5], 40.0),)))
                 if dtype == "float32":
                     # A penalised row (its counts kept on the device for the step launched ahead) and one asking
                     # for logprobs (computed as each step is launched, before the next step's graph replay

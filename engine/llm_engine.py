@@ -91,7 +91,8 @@ class Speculator(Protocol):
         (a step launched from the previous one's results), chosen as ``propose`` chooses them, and the distributions
         the sampled rows' drafts were drawn from (``[S, K, V]``, sampled rows in order; None if there are none).
         First store each row's ``context_lens`` rows of ``context`` (the previous verification's captured hidden
-        states, K + 1 rows a row) as the positions right before its block. ``target_metadata``: the verification's
+        states, K + 1 rows a row) as the positions right before its block: the tokens the previous step gave the
+        row, which its output does not count yet (a min_tokens mask adds them). ``target_metadata``: the verification's
         positions and metadata at the same rows, for a drafter whose layers share the target's pages."""
         ...
 
@@ -613,7 +614,7 @@ class LLMEngine:
         """One engine step; returns an output for every request that made progress or finished.
 
         With overlap, a batch of decode rows (plain, or speculative with full draft blocks; greedy or sampled, with
-        penalties, a bias or logprobs too; no min_tokens mask) runs one step ahead of the host: while the batch is
+        penalties, a bias, a min_tokens mask or logprobs too) runs one step ahead of the host: while the batch is
         unchanged the step launches the next draft and forward from the device's tokens (and accept counts), then
         reads and processes the previous step's. A request that a token read then ends (EOS, a stop) had one more
         step computed for it, whose tokens are dropped and whose K/V lands past its end, in its own pages (never a
@@ -654,8 +655,7 @@ class LLMEngine:
                                      and self.runner.graphs.accepts(len(scheduled), spec.num_spec_tokens + 1)):
             return False
         drafts = spec.num_spec_tokens if spec is not None else 0
-        return all(s.is_decode and s.num_spec_tokens == drafts
-                   and (s.request.logits_state is None or s.request.logits_state.runs_ahead) for s in scheduled)
+        return all(s.is_decode and s.num_spec_tokens == drafts for s in scheduled)
 
     def _launch_ahead(self, launched: _Launched) -> _Launched | None:
         """The step after ``launched``, launched from its device results, for its rows still running (a finished or
@@ -698,19 +698,19 @@ class LLMEngine:
         raw_logits, _ = self.runner.run(rows, ids, range(len(rows)))
         slices = [slice(i, i + 1) for i in range(len(rows))]
         proposals = [None] * len(rows)
-        logits = self._adjusted_ahead(raw_logits, scheduled, slices, proposals)
+        logits = self._adjusted_ahead(raw_logits, scheduled, slices, proposals, ids.new_ones(len(rows)))
         return self._launched_step(scheduled, rows, slices, proposals,
                                    self._choose_tokens(scheduled, slices, proposals, logits), raw_logits, None)
 
     @staticmethod
     def _adjusted_ahead(raw_logits: torch.Tensor, scheduled: list[ScheduledRequest], slices: list[slice],
-                        proposals: list[Proposal | None]) -> torch.Tensor:
-        """A step launched ahead's logits with its penalised rows' bias and penalties applied, as ``_forward``
-        applies them (their counts include the launched step's tokens: ``LogitsState.count_ahead``). Such rows
-        carry no min_tokens mask (``LogitsState.runs_ahead``), the one thing that needs the output's length,
-        which the host has not counted yet: ``num_output`` is not read."""
-        blocks = [LogitsBlock(item.request.logits_state, slices[i].start, slices[i].stop - slices[i].start, 0,
-                              proposals[i].tokens if proposals[i] is not None else None)
+                        proposals: list[Proposal | None], emitted: torch.Tensor) -> torch.Tensor:
+        """A step launched ahead's logits with its rows' bias, min_tokens mask and penalties applied, as
+        ``_forward`` applies them: their counts include the launched step's tokens (``LogitsState.count_ahead``),
+        and their output lengths the ``emitted`` ``[n]`` tokens the launched step gave each row, on the device."""
+        blocks = [LogitsBlock(item.request.logits_state, slices[i].start, slices[i].stop - slices[i].start,
+                              len(item.request.output_token_ids),
+                              proposals[i].tokens if proposals[i] is not None else None, emitted[i])
                   for i, item in enumerate(scheduled) if item.request.logits_state is not None]
         return adjust_logits(raw_logits, blocks) if blocks else raw_logits
 
@@ -743,12 +743,13 @@ class LLMEngine:
         starts = upload([r.num_computed_tokens for r in requests], torch.int64, tokens.device) + num_accepted + 1
         anchors = tokens.gather(1, num_accepted[:, None])
         positions, meta = self.runner.metadata_ahead(request_ids, starts, q)
-        drafts, probs = spec.draft_ahead(requests, anchors, starts, captured, num_accepted + 1, (positions, meta))
+        emitted = num_accepted + 1          # the launched step's tokens a row: the host has not counted them yet
+        drafts, probs = spec.draft_ahead(requests, anchors, starts, captured, emitted, (positions, meta))
         raw_logits, captured = self.runner.run_ahead(q, torch.cat([anchors, drafts], 1).flatten(), positions, meta,
                                                      spec.capture_layers)
         slices = [slice(i * q, (i + 1) * q) for i in range(n)]
         proposals = [Proposal(d) for d in drafts]
-        logits = self._adjusted_ahead(raw_logits, scheduled, slices, proposals)
+        logits = self._adjusted_ahead(raw_logits, scheduled, slices, proposals, emitted)
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
         groups: dict[tuple[int, bool], list[int]] = {}

@@ -46,12 +46,6 @@ class LogitsState:
             return None
         return state
 
-    @property
-    def runs_ahead(self) -> bool:
-        """Whether a step may be launched from this request's tokens before the host has read them: not while a
-        min_tokens mask applies (it needs the output's length, which the host counts)."""
-        return self.stop_mask is None
-
     def add(self, tokens: Sequence[int]) -> None:
         """Count newly emitted output tokens (not again those ``count_ahead`` counted)."""
         if self.counted_ahead:
@@ -75,13 +69,16 @@ class LogitsState:
 class LogitsBlock:
     """``num_rows`` consecutive logit rows of one request from ``start``: row k predicts the token after its
     ``num_output`` output tokens and ``drafts[:k]`` (a verification block; no drafts: one position, or a
-    drafter's block whose drafts are not known yet)."""
+    drafter's block whose drafts are not known yet). A block of a step launched ahead of the host may follow
+    ``emitted_ahead`` more output tokens (a ``[]`` int64 tensor on the device: the launched step's tokens, which
+    the host has not read yet); only the min_tokens mask reads the length."""
 
     state: LogitsState
     start: int
     num_rows: int
     num_output: int
     drafts: torch.Tensor | None = None       # [K] int64 on the device
+    emitted_ahead: torch.Tensor | None = None
 
 
 def adjust_logits(logits: torch.Tensor, blocks: Sequence[LogitsBlock]) -> torch.Tensor:
@@ -121,6 +118,10 @@ def adjust_logits(logits: torch.Tensor, blocks: Sequence[LogitsBlock]) -> torch.
         x = x + table("bias", 0.0)
     if any(s.stop_mask is not None for s in states):
         min_tokens = upload([s.params.min_tokens for s in states], torch.int64, device).index_select(0, owner_t)
+        if any(b.emitted_ahead is not None for b in blocks):
+            zero = torch.zeros((), dtype=torch.int64, device=device)
+            emitted = torch.stack([zero if b.emitted_ahead is None else b.emitted_ahead for b in blocks])
+            before_t = before_t + emitted.index_select(0, owner_t)
         x = x.masked_fill(table("stop_mask", False) & (before_t < min_tokens)[:, None], float("-inf"))
     if any(s.counts is not None for s in states):
         # Counts before row k = the output's counts + drafts[:k]: a cumulative one-hot over the flat rows,

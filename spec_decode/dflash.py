@@ -25,15 +25,19 @@ from kv.spec import LayerOwner
 from spec_decode.drafter import DFlashDrafter
 
 
-def choose_drafts(logits: torch.Tensor, requests: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def choose_drafts(logits: torch.Tensor, requests: Sequence[Request], emitted_ahead: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Drafts ``[B, K]`` from drafter logits ``[B, K, V]`` (adjusted for the requests' penalties and bias), on the
-    device: greedy rows take the argmax, sampled rows draw from their distributions (each seeded row from its own generator), which come back for the sampled rows in
-    row order (``[S, K, V]``; None when every row is greedy) for verification by rejection sampling. Eager and
-    ahead steps draft through this one function, so a seeded row draws the same numbers either way."""
+    device: greedy rows take the argmax, sampled rows draw from their distributions (each seeded row from its own
+    generator), which come back for the sampled rows in row order (``[S, K, V]``; None when every row is greedy)
+    for verification by rejection sampling. Eager and ahead steps draft through this one function, so a seeded
+    row draws the same numbers either way. ``emitted_ahead`` ``[B]``: a step launched ahead's rows' tokens from
+    the launched step, which the host has not counted in their outputs yet (``LogitsBlock``)."""
     count = logits.shape[1]
     # The target verifies under the request's bias, min_tokens mask and penalties: drafting under them too keeps
     # acceptance up (the block's own drafts are not known yet, so its counts stop at the anchor).
-    blocks = [LogitsBlock(r.logits_state, j * count, count, len(r.output_token_ids))
+    blocks = [LogitsBlock(r.logits_state, j * count, count, len(r.output_token_ids),
+                          emitted_ahead=None if emitted_ahead is None else emitted_ahead[j])
               for j, r in enumerate(requests) if r.logits_state is not None]
     if blocks:
         logits = adjust_logits(logits.flatten(0, 1), blocks).view_as(logits)
@@ -172,7 +176,7 @@ class DFlashSpeculator:
         self._ctx_lens[n:self.graphs.padded(n)].zero_()
         self._ctx_hidden[:n * width].copy_(context)
         self.contexts_in_graph += n
-        return choose_drafts(self.graphs.run(n, width, ids.flatten(), positions, meta)[0], requests)
+        return choose_drafts(self.graphs.run(n, width, ids.flatten(), positions, meta)[0], requests, context_lens)
 
     def _store_and_draft(self, ids, positions, meta, width: int) -> torch.Tensor:
         """The drafter graph's forward: store the staged context of each row (``_ctx_lens`` positions right before

@@ -45,6 +45,18 @@ def _summary(out):
     return out.token_ids, out.text, out.finish_reason
 
 
+def _same_both_ways(off, on, requests):
+    """``requests`` through the synchronous engine ``off`` and the overlapped ``on``: every request's tokens, text,
+    ending and per-step acceptance equal. Returns the overlapped and synchronous outputs and the steps launched
+    ahead."""
+    expected, _ = _run(off, requests)
+    before = on.num_overlapped_steps
+    got, _ = _run(on, requests)
+    assert {k: (_summary(v), v.acceptance_lengths) for k, v in got.items()} == \
+        {k: (_summary(v), v.acceptance_lengths) for k, v in expected.items()}
+    return got, expected, on.num_overlapped_steps - before
+
+
 @pytest.fixture(scope="module")
 def demo_engines():
     return {mode: LLM(DEMO, overlap=mode, page_size=4, max_model_len=96).engine for mode in ("off", "on")}
@@ -349,12 +361,8 @@ def test_penalised_rows_run_ahead_with_their_counts_kept_on_the_device(drafter, 
     off, on = (_spec_engine(m) for m in ("off", "on")) if drafter else (demo_engines["off"], demo_engines["on"])
     tok = off.tokenizer
     requests = {str(i): (tok.encode(p), params) for i, (p, params) in enumerate(zip(PROMPTS, PENALISED))}
-    expected, _ = _run(off, requests)
-    before = on.num_overlapped_steps
-    got, _ = _run(on, requests)
-    assert {k: (_summary(v), v.acceptance_lengths) for k, v in got.items()} == \
-        {k: (_summary(v), v.acceptance_lengths) for k, v in expected.items()}
-    assert on.num_overlapped_steps - before > 10
+    got, expected, ahead = _same_both_ways(off, on, requests)
+    assert ahead > 10
     # The penalties bit: without them the greedy rows decode otherwise.
     plain, _ = _run(off, {k: (ids, SamplingParams(max_tokens=p.max_tokens, ignore_eos=True))
                           for k, (ids, p) in requests.items() if p.temperature == 0})
@@ -391,11 +399,37 @@ def test_rows_with_logprobs_run_ahead_and_report_the_synchronous_entries(drafter
     assert on.kv.pages_in_use() == 0 and not on.requests
 
 
+@pytest.mark.parametrize("drafter", [False, True], ids=["plain", "speculative"])
+def test_min_tokens_rows_run_ahead_with_their_output_length_on_the_device(drafter, demo_engines):
+    """Rows whose stop token is pushed up by a bias, so that every position wants it, and a min_tokens mask holds it
+    off: a step launched ahead counts the launched step's tokens into the output's length on the device (the host
+    has not read them), so the stop comes exactly where the synchronous engine puts it. A length one step stale
+    (the host's) would hold the stop off one position (a plain row) or several (a speculative one) too long."""
+    off, on = (_spec_engine(m) for m in ("off", "on")) if drafter else (demo_engines["off"], demo_engines["on"])
+    tok = off.tokenizer
+    stop = tok.encode(" the")[0]
+    kinds = [SamplingParams(max_tokens=40, min_tokens=17, stop_token_ids=(stop,), logit_bias=((stop, 40.0),)),
+             SamplingParams(max_tokens=40, min_tokens=23, temperature=0.8, seed=5, stop_token_ids=(stop,),
+                            logit_bias=((stop, 40.0),)),
+             SamplingParams(max_tokens=40, min_tokens=11, stop_token_ids=(stop,), logit_bias=((stop, 40.0),),
+                            presence_penalty=0.5),
+             SamplingParams(max_tokens=36, ignore_eos=True)]
+    requests = {str(i): (tok.encode(p), params) for i, (p, params) in enumerate(zip(PROMPTS, kinds))}
+    got, _, ahead = _same_both_ways(off, on, requests)
+    # The mask bit: each greedy biased row stopped right at its min_tokens, on the stop token; the sampled one
+    # not before.
+    for k in "02":
+        assert len(got[k].token_ids) == kinds[int(k)].min_tokens + 1 and got[k].token_ids[-1] == stop
+        assert stop not in got[k].token_ids[:-1] and got[k].finish_reason == "stop"
+    assert stop not in got["1"].token_ids[:kinds[1].min_tokens]
+    assert ahead > 8
+    assert on.kv.pages_in_use() == 0 and not on.requests
+
+
 def test_speculative_overlap_breaks_for_newcomers_aborts_and_min_tokens_rows():
     """Requests admitted and aborted while the drafter's steps run ahead, and a sampled request with min_tokens
-    (its mask needs the output's length, which the host counts, so its steps are not drafted ahead): the batch is
-    read and rescheduled, and every surviving greedy request's tokens equal its run alone (greedy speculation is
-    lossless). Pages back to zero."""
+    joining: the batch is read and rescheduled, and every surviving greedy request's tokens equal its run alone
+    (greedy speculation is lossless). Pages back to zero."""
     alone_engine = _spec_engine("off")
     tok = alone_engine.tokenizer
     ids = [tok.encode(p) for p in PROMPTS]
