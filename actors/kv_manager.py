@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from actors.channel import ChannelServer
+from actors.logs import configure_actor_logging
 from actors.memory import PoolExport, SegmentAllocator, SharedSegments, device_uuid, map_segment
 from actors.nixl_transfer import NixlEndpoint, TransferError, owners_for
 from kv.pool import KVPool
@@ -74,6 +75,7 @@ class KVManagerActor:
     def __init__(self, name: str, *, device: str = "cpu", tp_size: int = 1, tp_rank: int = 0,
                  hold_timeout_s: float = 30.0, read_deadline_s: float = 120.0, num_threads: int = 1,
                  read_delay_s: float = 0.0, transport: str = "auto", peer_check_s: float = PEER_CHECK_S):
+        configure_actor_logging()
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         torch.set_num_threads(num_threads)

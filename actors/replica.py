@@ -27,6 +27,7 @@ from actors.channel import ActorLink
 from actors.chunks import error_chunk, merge_chunks
 from actors.engine_host import Handoff, PrefillPages
 from actors.engine_loop import EngineStopped
+from actors.logs import configure_actor_logging
 from actors.worker import RankGroup, RankProblem, freeze_heap
 from engine.llm import EngineConfig
 from engine.llm_engine import LLMEngine, RequestOutput
@@ -115,6 +116,7 @@ class EngineReplica:
                  hold_timeout_s: float = 30.0, transfer_draft_kv: bool = True, read_timeout_s: float = 10.0,
                  reserve_timeout_s: float = 10.0, read_delay_s: float = 0.0, kv_transport: str = "auto",
                  stream_interval: int = 1, ticket_timeout_s: float = 300.0):
+        configure_actor_logging()
         self.config = config
         self.ticket_timeout_s = ticket_timeout_s
         self.stream_interval = stream_interval

@@ -8,6 +8,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
+from actors.logs import log_env
 from serve_app.config import DeploymentSettings, ServiceConfig, parse_service_config
 
 DEFAULT_APP_NAME = "dflash"
@@ -32,7 +33,7 @@ def _engine_options(settings: DeploymentSettings, service: ServiceConfig, tp_siz
         options["placement_group_strategy"] = "STRICT_PACK"
         options["ray_actor_options"]["num_gpus"] = 0
     options["ray_actor_options"]["runtime_env"] = {"env_vars": {
-        "OMP_NUM_THREADS": str(service.model.num_threads), "TOKENIZERS_PARALLELISM": "false"}}
+        "OMP_NUM_THREADS": str(service.model.num_threads), "TOKENIZERS_PARALLELISM": "false", **log_env()}}
     # Streams outlive Serve's default graceful-shutdown wait; let replicas finish them when scaling down.
     options["graceful_shutdown_timeout_s"] = 20.0
     options["graceful_shutdown_wait_loop_s"] = 0.5
@@ -47,9 +48,12 @@ def build_service(service: ServiceConfig) -> Application:
 
     args = service.model_dump(mode="json")
     ingress_options = service.ingress.serve_options()
+    # The level set where the app is built, also on a cluster started without it (env_vars add to the job's).
+    passed = {"runtime_env": {"env_vars": log_env()}} if log_env() else {}
+    ingress_options["ray_actor_options"].update(passed)
     # Part of the application: it is deleted with it (nothing outlives `serve shutdown`).
     hub = serve.deployment(MetricsHub, name="MetricsHub").options(
-        num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000).bind()
+        num_replicas=1, ray_actor_options={"num_cpus": 0, **passed}, max_ongoing_requests=10_000).bind()
     if service.mode == "aggregated":
         backends = {"aggregated": serve.deployment(AggregatedServer, name="AggregatedServer").options(
             **_engine_options(service.aggregated, service, tp_size=service.tp_size("aggregated"),

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from actors.logs import configure_logging
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO_TARGET = REPO / "models" / "demo" / "target"
 DEMO_DRAFTER = REPO / "models" / "demo" / "drafter"
@@ -129,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        configure_logging()
         return args.func(args)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -95,6 +95,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    from actors.logs import log_env
     from serve_app.app import DEFAULT_APP_NAME, build_service
 
     service, host, port = _service_from_args(args)
@@ -108,7 +109,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **serving}}
+    # A cluster joined by its address sees DFLASH_LOG_LEVEL only through the job's runtime_env.
+    env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **serving, **log_env()}}
     if address:
         ray.init(address=address, runtime_env=env, configure_logging=False)
     else:

@@ -33,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from actors.logs import configure_actor_logging
 from actors.worker import freeze_heap
 from engine.sequence import SamplingParams, TokenLogprob
 from serve_app.config import ServiceConfig
@@ -310,6 +311,7 @@ class Choice:
 @serve.ingress(api)
 class Ingress:
     def __init__(self, service: dict, hub, **backends):
+        configure_actor_logging()
         self.service = ServiceConfig.model_validate(service)
         self.model_name = self.service.model.name
         self.metrics = ServiceMetrics(self.model_name)

@@ -19,6 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from actors.logs import configure_actor_logging
+
 # ``_created`` samples are timestamps: they cannot be summed over ingress replicas.
 prometheus_client.disable_created_metrics()
 
@@ -40,6 +42,7 @@ class MetricsHub:
     A replica that lost a rank says so itself at once (``healthy: False``)."""
 
     def __init__(self, clock=time.monotonic):
+        configure_actor_logging()
         self._clock = clock
         self._snapshots: dict[str, tuple[float, dict]] = {}
 
