@@ -130,6 +130,8 @@ class EngineReplica:
         self.replica_id = self.group.name
         self.engine = self.group.engine        # rank 0's engine, in its own process (``actors.engine_host``)
         freeze_heap()
+        log.info("%s ready: %s with drafter %s, %s on %s, %d rank(s)", self.replica_id, config.model,
+                 config.draft or "none", config.dtype, config.device, tp_size)
 
     async def ready(self) -> str:
         return self.replica_id

@@ -136,6 +136,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"dflash-serve: serving {service.model.name!r} ({service.mode}: {roles}) at {url}", flush=True)
         print(f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{service.model.name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'", flush=True)
+        if not address:     # its actors' and replicas' log lines stay in the cluster's files, not here
+            node = getattr(ray._private.worker, "_global_node", None)     # no public accessor for the path
+            logs = node.get_logs_dir_path() if node is not None else "/tmp/ray/session_latest/logs"
+            print(f"  logs: {logs}/worker-*.err (this project's lines), {logs}/serve/ (Serve's)", flush=True)
         print("  Ctrl-C to stop", flush=True)
         while True:
             time.sleep(1.0)

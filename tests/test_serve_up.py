@@ -67,6 +67,11 @@ def test_up_serves_until_sigint_and_leaves_no_ray_processes(tmp_path):
             time.sleep(0.2)
         r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 4}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        # Where the replicas' log lines went, as `up` says: each replica's line saying it is ready.
+        logs = Path(next(line for line in lines if line.strip().startswith("logs:")).split()[1]).parent
+        ready = [line for f in logs.glob("worker-*.err") for line in f.read_text(errors="replace").splitlines()
+                 if " INFO actors.replica " in line and " ready: " in line]
+        assert {line.split(" ready: ")[0].rsplit("] ", 1)[1].split("-")[0] for line in ready} == {"prefill", "decode"}
         ray_processes = descendants(proc.pid)
         assert len(ray_processes) >= 3          # at least the GCS, the raylet and a replica worker
         proc.send_signal(signal.SIGINT)
