@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from collections.abc import Sequence
@@ -47,7 +48,7 @@ class Tokenizer:
 
     def encode(self, text: str, literal: Sequence[tuple[int, int]] = ()) -> list[int]:
         """Token ids of ``text``, a special token's text read as that token, except where it lies in one of the
-        ``literal`` ``(start, end)`` character spans: there it is ordinary text (a chat message's content must not
+        ``literal`` ``(start, end)`` character spans (disjoint): there it is ordinary text (a chat message's content must not
         open a turn of its own). Outside those spans the text is cut where it would be anyway, at its special
         tokens, so the ids equal ``encode(text)``'s wherever no literal span holds one."""
         # encode_batch releases the GIL while it works (encode holds it): a long prompt tokenized on a
@@ -55,11 +56,15 @@ class Tokenizer:
         if not literal or self._special_re is None:
             return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         pieces: list[str | int] = []        # text to tokenize, or a control token's id
+        spans = sorted(literal)
+        starts = [a for a, _ in spans]
         start = 0
         for match in self._special_re.finditer(text):
             token = match.group().strip()       # less the whitespace it strips beside it
             first = match.start() + match.group().index(token)
-            if any(a < first + len(token) and first < b for a, b in literal):
+            # The spans do not overlap: only the last one starting before the token's end can hold part of it.
+            k = bisect.bisect_left(starts, first + len(token)) - 1
+            if k >= 0 and spans[k][1] > first:
                 continue
             pieces += [text[start:match.start()], self._special_by_text[token]]
             start = match.end()
