@@ -179,10 +179,6 @@ def overlap_matches_sync(device: str, prompts: list[str], max_tokens: int) -> li
                          SamplingParams(max_tokens=max_tokens, stop_token_ids=[free[5]], ignore_eos=True)]
                 # Seeded sampled rows: with the drafter their drafts are drawn and rejection-sampled ahead too.
                 kinds.append(SamplingParams(max_tokens=max_tokens, temperature=0.8, top_k=20, seed=3, ignore_eos=True))
-                # A min_tokens row whose stop token every position wants: ahead, its output length counts the
-                # launched step's tokens on the device, so it stops at its 10th token in both engines.
-                kinds.append(SamplingParams(max_tokens=max_tokens, min_tokens=9, stop_token_ids=[free[5]],
-                                            logit_bias=((free[5], 40.0),)))
                 if dtype == "float32":
                     # A penalised row (its counts kept on the device for the step launched ahead) and one asking
                     # for logprobs (computed as each step is launched, before the next step's graph replay
@@ -193,6 +189,13 @@ def overlap_matches_sync(device: str, prompts: list[str], max_tokens: int) -> li
                     kinds.append(SamplingParams(max_tokens=max_tokens, presence_penalty=0.8, frequency_penalty=0.4,
                                                 logit_bias=((40, 3.0),), ignore_eos=True))
                     kinds.append(SamplingParams(max_tokens=max_tokens, logprobs=2, ignore_eos=True))
+                    # A min_tokens row whose stop token every position wants: ahead, its output length counts the
+                    # launched step's tokens on the device, so it stops at its 10th token in both engines. float32
+                    # only too: its early end shrinks the two engines' batches a step apart, and in bf16 (an H100
+                    # run) other rows then drew or chose otherwise at a near-tie (a sampled row's 5th token, a
+                    # stop-token row's 48th) while the row itself stopped alike.
+                    kinds.append(SamplingParams(max_tokens=max_tokens, min_tokens=9, stop_token_ids=[free[5]],
+                                                logit_bias=((free[5], 40.0),)))
                 # The batch together, then the same requests arriving one every 3 steps while the others decode
                 # (with overlap on, each arrival has the batch read and rescheduled).
                 # Every kind at least once (the prompts taken in turn).
