@@ -698,19 +698,21 @@ class LLMEngine:
         raw_logits, _ = self.runner.run(rows, ids, range(len(rows)))
         slices = [slice(i, i + 1) for i in range(len(rows))]
         proposals = [None] * len(rows)
-        logits = self._adjusted_ahead(raw_logits, scheduled, slices, proposals, ids.new_ones(len(rows)))
+        logits = self._adjusted_ahead(raw_logits, scheduled, slices, proposals, None)
         return self._launched_step(scheduled, rows, slices, proposals,
                                    self._choose_tokens(scheduled, slices, proposals, logits), raw_logits, None)
 
     @staticmethod
     def _adjusted_ahead(raw_logits: torch.Tensor, scheduled: list[ScheduledRequest], slices: list[slice],
-                        proposals: list[Proposal | None], emitted: torch.Tensor) -> torch.Tensor:
+                        proposals: list[Proposal | None], emitted: torch.Tensor | None) -> torch.Tensor:
         """A step launched ahead's logits with its rows' bias, min_tokens mask and penalties applied, as
         ``_forward`` applies them: their counts include the launched step's tokens (``LogitsState.count_ahead``),
-        and their output lengths the ``emitted`` ``[n]`` tokens the launched step gave each row, on the device."""
+        and their output lengths the ``emitted`` ``[n]`` tokens the launched step gave each row, on the device
+        (None: one each, a plain step's, which the host knows)."""
         blocks = [LogitsBlock(item.request.logits_state, slices[i].start, slices[i].stop - slices[i].start,
-                              len(item.request.output_token_ids),
-                              proposals[i].tokens if proposals[i] is not None else None, emitted[i])
+                              len(item.request.output_token_ids) + (emitted is None),
+                              proposals[i].tokens if proposals[i] is not None else None,
+                              None if emitted is None else emitted[i])
                   for i, item in enumerate(scheduled) if item.request.logits_state is not None]
         return adjust_logits(raw_logits, blocks) if blocks else raw_logits
 
