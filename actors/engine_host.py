@@ -533,6 +533,13 @@ def engine_gauges(engine: LLMEngine) -> dict:
     return {"running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting), "pools": pools}
 
 
+def _settle(reply: concurrent.futures.Future, ok: bool, value) -> None:
+    """A command's result into its reply, unless its caller gave up waiting: a cancelled call (a client that left
+    while its request waited) cancels the future, which then takes no result."""
+    if reply.set_running_or_notify_cancel():
+        reply.set_result(value) if ok else reply.set_exception(value)
+
+
 class EngineClient:
     """The replica's side of its ``EngineHost``: per-request streams fed by the host's outputs (a thread receives
     each message and hands it to the streams' event loops, one wake-up each), and the commands, sent in order over
@@ -601,7 +608,7 @@ class EngineClient:
                         _, call, ok, value = message
                         reply = self._replies.pop(call, None)
                         if reply is not None:      # else the streams were ended (``fail``) while it ran
-                            reply.set_result(value) if ok else reply.set_exception(value)
+                            _settle(reply, ok, value)
         except Exception as e:        # the connection broke, or a message did not unpickle
             if not isinstance(e, OSError):
                 log.exception("the engine process's outputs could not be read")
@@ -614,7 +621,7 @@ class EngineClient:
         with self._sending:
             replies, self._replies = self._replies, {}
         for reply in replies.values():
-            reply.set_exception(self._failure)
+            _settle(reply, False, self._failure)
         hand_over(self._streams, [(r, error_from(error)) for r in list(self._streams)], ends)
 
     # --- commands ---------------------------------------------------------------------------------------------

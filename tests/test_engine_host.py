@@ -75,6 +75,38 @@ def test_a_command_whose_arguments_do_not_pickle_sends_nothing(group):
     assert _generate(group.engine, "good", 3) == 3
 
 
+def test_a_caller_that_stops_waiting_for_its_reply_leaves_the_replica_serving(group):
+    """A client that leaves while its request's start waits for the engine (Serve cancels the replica's call, which
+    cancels the reply's future): the reply that comes later is dropped, the replica's receiving thread goes on, and
+    the request's stream and the next requests are served. Taking the reply into the cancelled future raised there
+    once, which ended every stream of the replica and failed its health check."""
+    client = group.engine
+
+    async def drain(queue) -> list[dict]:
+        chunks = [await asyncio.wait_for(queue.get(), 30)]
+        while not chunks[-1].get("finished") and chunks[-1].get("type") != "error":
+            chunks.append(await asyncio.wait_for(queue.get(), 30))
+        return chunks
+
+    async def run():
+        queue = client.open_stream("left")
+        for _ in range(20):     # the future must be cancelled before the reply comes back (about a millisecond)
+            reply = client._command("start", "left", PROMPT, SamplingParams(max_tokens=4), False, None, reply=True)
+            if reply.cancel():
+                break
+            await drain(queue)      # answered first: let that one finish, and try again
+        else:
+            pytest.fail("every reply came back before its future could be cancelled")
+        chunks = await drain(queue)     # the request itself still runs to its end
+        assert chunks[-1].get("type") != "error" and sum(len(c["token_ids"]) for c in chunks) == 4, chunks
+        client.close_stream("left")
+
+    asyncio.run(run())
+    assert client.alive
+    assert _generate(client, "after", 3) == 3
+    _pages_reach(group, lambda n: n == 0)
+
+
 def test_the_engine_socket_serves_its_replica_only(ray_cluster, tiny_target):
     """Before its replica connects, a connection with a wrong key or a garbled frame is closed unread (a command
     after it does not run: the engine still serves); the one with the key is answered; after it the socket
