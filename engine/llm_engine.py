@@ -19,7 +19,8 @@ from engine.parallel import OP_STOP, OP_SYNC, OP_TARGET
 from engine.sampler import (LogitsBlock, LogitsState, accept_greedy, adjust_logits, probabilities, rejection_sample,
                             sample)
 from engine.scheduler import ScheduledRequest, Scheduler
-from engine.sequence import Request, RequestStatus, RequestTiming, SamplingParams, SpecStats, TokenLogprob
+from engine.sequence import (Request, RequestStatus, RequestTiming, SamplingParams, SpecStats, TokenLogprob,
+                             generator_seed)
 from engine.tokenizer import Tokenizer
 from kv.device_tables import upload
 from kv.layout import KVLayout
@@ -417,7 +418,7 @@ class LLMEngine:
     def _new_request(self, request_id: str, ids: list[int], params: SamplingParams, **fields) -> Request:
         if params.seed is not None:
             # On the device: seeded draws need no host round trip (and repeat on one kind of device).
-            fields["generator"] = torch.Generator(device=self.model.device).manual_seed(params.seed)
+            fields["generator"] = torch.Generator(device=self.model.device).manual_seed(generator_seed(params.seed))
         request = Request(request_id, ids, params, **fields)
         request.logits_state = LogitsState.for_request(params, ids, self.model.config.vocab_size,
                                                        self.eos_token_ids, self.model.device)

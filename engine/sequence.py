@@ -21,6 +21,15 @@ MAX_LOGIT_BIAS = 100.0
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
+def generator_seed(seed: int) -> int:
+    """A request's seed as its generator's: all 64 bits mixed (murmur3's finaliser) into every bit, the low 32 among
+    them, which are all a CPU generator uses of its seed (seeds 2^32 apart would otherwise draw alike)."""
+    x = seed & 0xFFFF_FFFF_FFFF_FFFF
+    x = ((x ^ (x >> 33)) * 0xFF51_AFD7_ED55_8CCD) & 0xFFFF_FFFF_FFFF_FFFF
+    x = ((x ^ (x >> 33)) * 0xC4CE_B9FE_1A85_EC53) & 0xFFFF_FFFF_FFFF_FFFF
+    return x ^ (x >> 33)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How a request samples and stops (OpenAI / vLLM semantics); validated here, token ids against the
@@ -205,7 +214,7 @@ class Request:
 
     def __post_init__(self):
         if self.params.seed is not None and self.generator is None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+            self.generator = torch.Generator().manual_seed(generator_seed(self.params.seed))
 
     @property
     def history(self) -> "TokenHistory":

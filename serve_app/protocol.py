@@ -7,7 +7,7 @@ import secrets
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from engine.sequence import SamplingParams
 
@@ -39,6 +39,17 @@ class _SamplingFields(BaseModel):
     # Unknown fields are ignored, as OpenAI does; known ones this server does not implement are declared
     # below and refused by name (``refuse_unsupported``) rather than ignored.
     model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """OpenAI's optional parameters take null for "not given" (its SDK sends null for an argument passed as
+        None): such a field takes its default. A required field's null stays an error."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None}
 
     model: str
     max_tokens: int | None = None
@@ -352,7 +363,8 @@ def sampling_params(req: _SamplingFields, default_max_tokens: int, vocab_size: i
         field = str(e).split()[0]
         param = {"logprobs": "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"}.get(
             field, field if field in type(req).model_fields else None)
-        raise APIError(400, str(e), param=param) from None
+        message = str(e) if param in (None, field) else param + str(e)[len(field):]     # named as the client did
+        raise APIError(400, message, param=param) from None
 
 
 def render_chat(messages: list[ChatMessage], template: str | None, special: dict[str, str],

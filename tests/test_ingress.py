@@ -135,6 +135,31 @@ def test_values_of_the_wrong_json_type_are_refused_not_coerced(ingress, path, fi
     assert assert_error(r, 422)["param"].split(".")[0] == field
 
 
+@pytest.mark.parametrize("path,fields", [
+    ("/v1/completions", ["temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", "echo",
+                         "max_tokens", "top_k", "min_tokens", "ignore_eos", "repetition_penalty"]),
+    ("/v1/chat/completions", ["temperature", "top_p", "n", "stream", "logprobs", "presence_penalty",
+                              "frequency_penalty", "max_completion_tokens", "top_logprobs"]),
+])
+def test_null_means_not_given(ingress, path, fields):
+    """OpenAI's optional parameters take null (its SDK sends null for an argument given as None): the default
+    applies. A required field's null is still refused."""
+    body = {**CHAT} if "chat" in path else {"model": "tiny", "prompt": "hi"}
+    plain = ingress.client.post(path, json=body)
+    r = ingress.client.post(path, json={**body, **dict.fromkeys(fields)})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"] == plain.json()["choices"] and r.json()["usage"] == plain.json()["usage"]
+    assert_error(ingress.client.post(path, json={**body, "model": None}), 422, "model")
+    required = "messages" if "chat" in path else "prompt"
+    assert assert_error(ingress.client.post(path, json={**body, required: None}), 422)["param"].startswith(required)
+
+
+def test_an_engine_check_is_named_as_the_client_sent_it():
+    with pytest.raises(APIError) as e:
+        sampling_params(ChatCompletionRequest(**CHAT, logprobs=True, top_logprobs=21), 16, 100)
+    assert e.value.param == "top_logprobs" and e.value.message.startswith("top_logprobs must be"), e.value.message
+
+
 def test_numbers_given_as_integers_stay_numbers(ingress):
     r = ingress.client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "temperature": 1, "top_p": 1,
                                                      "presence_penalty": 0, "logit_bias": {"5": 1}})

@@ -106,6 +106,17 @@ def test_bad_values_are_refused_naming_the_field(field, value):
         SamplingParams(**{field: value})
 
 
+def test_seeds_that_differ_only_above_32_bits_draw_differently(plain):
+    """A CPU generator takes the low 32 bits of its seed: the request's 64 are mixed into them first, so seeds 2^32
+    apart (and choice j of an n > 1 request, seeded seed + j) do not repeat each other. The same seed still
+    repeats."""
+    params = [SamplingParams(max_tokens=24, temperature=1.0, seed=s, ignore_eos=True)
+              for s in (12345, 12345 + 2 ** 32, 12345 - 2 ** 32, 12345)]
+    outs = [plain.generate([PROMPTS[2]], p)[0].token_ids for p in params]
+    assert outs[0] == outs[3]
+    assert len({tuple(o) for o in outs[:3]}) == 3, outs
+
+
 def test_params_stay_frozen_and_hashable():
     a = SamplingParams(logit_bias={5: 1.0, 2: -3}, stop_token_ids=[4, 1], logprobs=0)
     b = SamplingParams(logit_bias=[(2, -3.0), (5, 1)], stop_token_ids=(4, 1), logprobs=0)
