@@ -28,12 +28,14 @@ from actors.chunks import error_chunk, merge_chunks
 from actors.engine_host import Handoff, PrefillPages
 from actors.engine_loop import EngineStopped
 from actors.logs import configure_actor_logging
-from actors.worker import RankGroup, RankProblem, freeze_heap
+from actors.worker import HEALTH_PING_TIMEOUT_S, RankGroup, RankProblem, freeze_heap
 from engine.llm import EngineConfig
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sequence import SamplingParams, SpecStats, TokenLogprob
 
 log = logging.getLogger(__name__)
+# Consecutive failed health checks after which Serve stops a replica (its REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD).
+UNHEALTHY_CHECKS = 3
 
 @dataclasses.dataclass(frozen=True)
 class Ticket:
@@ -136,13 +138,26 @@ class EngineReplica:
     async def ready(self) -> str:
         return self.replica_id
 
+    health_timeout_s = HEALTH_PING_TIMEOUT_S     # a rank's answer to a health check, at most
+    failed_checks = 0           # health checks failed in a row
+
     async def check_health(self) -> None:
         """Raise when a rank cannot serve. Serve calls this periodically and replaces a replica that fails it
-        (a new replica brings new rank actors)."""
-        problems = await asyncio.to_thread(self.group.health_problems)
-        if problems:
-            self.lost_rank(problems)
-            raise RuntimeError(f"{self.replica_id} cannot serve: {'; '.join(map(str, problems))}")
+        (a new replica brings new rank actors). A rank gone for good fails the requests in flight at once
+        (``lost_rank``); one that stopped answering (stalled, not dead) fails them at the check that has Serve
+        stop the replica, whose shutdown would otherwise wait for streams that cannot end."""
+        problems = await asyncio.to_thread(self.group.health_problems, self.health_timeout_s)
+        if not problems:
+            self.failed_checks = 0
+            return
+        self.failed_checks += 1
+        self.lost_rank(problems)
+        if self.failed_checks >= UNHEALTHY_CHECKS and not self.engine.failed:
+            log.error("%s: a rank has not answered %d health checks, failing its requests: %s", self.replica_id,
+                      self.failed_checks, "; ".join(map(str, problems)))
+            self.engine.fail(EngineStopped(f"the {self.role} replica serving this request stopped answering; "
+                                           "retry it"))
+        raise RuntimeError(f"{self.replica_id} cannot serve: {'; '.join(map(str, problems))}")
 
     def lost_rank(self, problems: Sequence[RankProblem]) -> None:
         """When a rank is gone for good (a ``fatal`` problem; a rank slow to answer only fails this health check):

@@ -174,3 +174,39 @@ def test_a_replica_whose_engine_process_dies_fails_its_streams_at_once_and_its_h
         assert len(refused) == 1 and refused[0]["status"] == 503, refused
     finally:
         replica.shutdown()
+
+
+def test_a_stalled_engine_fails_its_streams_when_serve_gives_the_replica_up(ray_cluster, tiny_target):
+    """An engine process that stops answering (stalled, not dead: SIGSTOP here) fails health checks without failing
+    its requests, since it may recover; at the check after which Serve stops the replica (``UNHEALTHY_CHECKS``), the
+    streams end with a retryable error, where they waited out Serve's graceful shutdown before (37 s in a trial)."""
+    import os
+    import signal
+
+    from actors.replica import UNHEALTHY_CHECKS
+
+    replica = AggregatedReplica(EngineConfig(model=str(tiny_target), page_size=16, num_pages=64))
+    replica.health_timeout_s = 0.5
+    pid = ray.get(replica.group.host.__ray_call__.remote(lambda _: os.getpid()))
+    try:
+        async def run():
+            stream = replica.generate("long", PROMPT, SamplingParams(max_tokens=400, ignore_eos=True))
+            first = await asyncio.wait_for(stream.__anext__(), 60)
+            assert first["type"] == "tokens" and first["token_ids"]
+            os.kill(pid, signal.SIGSTOP)
+            for check in range(UNHEALTHY_CHECKS):
+                with pytest.raises(RuntimeError, match="cannot serve"):
+                    await replica.check_health()
+                if check < UNHEALTHY_CHECKS - 1:
+                    assert not replica.engine.failed        # a stall may pass: the requests go on waiting
+            return await asyncio.wait_for(collect(stream), 10)      # at once, not after Serve's shutdown wait
+
+        async def collect(stream):
+            return [chunk async for chunk in stream]
+
+        rest = asyncio.run(run())
+        assert rest[-1]["type"] == "error" and rest[-1]["status"] == 503, rest[-1]
+        assert "stopped answering" in rest[-1]["message"], rest[-1]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        replica.shutdown()
