@@ -314,7 +314,8 @@ class Ingress:
         configure_actor_logging()
         self.service = ServiceConfig.model_validate(service)
         self.model_name = self.service.model.name
-        self.metrics = ServiceMetrics(self.model_name)
+        self.metrics = ServiceMetrics(self.model_name, ("aggregated",) if self.service.mode == "aggregated"
+                                      else ("prefill", "decode"))
         self.router = Router(backends, on_transfer=lambda stats: self.metrics.observe_transfer(stats, stats is None))
         self.hub = hub
         self._hub_client = HubClient(hub)      # for the reporter thread

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Sequence
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -130,8 +131,9 @@ class _Families:
 class ServiceMetrics:
     """The ingress's registry: request metrics observed here, replica gauges filled from the hub per scrape."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, roles: Sequence[str] = ()):
         self.model_name = model_name
+        self.roles = tuple(roles)      # the service's engine roles: each appears in the replica gauges, 0 if none
         self._seq = 0
         self._report_lock = threading.Lock()
         m = ["model_name"]
@@ -265,6 +267,9 @@ class ServiceMetrics:
         for gauge in (self.running, self.waiting, self.replicas, self.pages_in_use, self.pages_total):
             gauge.clear()
         name = self.model_name
+        for role in self.roles:     # a role with no healthy replica reads 0, not nothing (alerts compare with it)
+            for gauge in (self.replicas, self.running, self.waiting):
+                gauge.labels(name, role).set(0)
         for snap in snapshots.values():
             role = snap["role"]
             if role == "ingress" or not snap.get("healthy", True):

@@ -52,3 +52,22 @@ def test_every_ingress_serves_the_same_growing_totals():
     finish("b", 1)
     totals += [scrape("b"), scrape("a")]
     assert totals == [10, 10, 10, 11, 11]
+
+
+def test_a_role_without_a_healthy_replica_reads_zero():
+    """While Serve replaces a role's only replica its gauges read 0, not nothing: an alert on
+    ``dflash_num_replicas{role="decode"} < 1`` must be able to fire."""
+    from tests.test_serve_support import metric_samples, metric_sum
+
+    from serve_app.metrics import ServiceMetrics
+
+    metrics = ServiceMetrics("demo", ("prefill", "decode"))
+    prefill = {"role": "prefill", "healthy": True, "running": 2, "waiting": 1,
+               "pools": [{"pool": 0, "owner": "target+draft", "in_use": 5, "total": 64}]}
+    for snapshots in ({"p": prefill}, {"p": prefill, "d": {**prefill, "role": "decode", "healthy": False}}):
+        samples = metric_samples(metrics.render(snapshots).decode())
+        assert metric_sum(samples, "dflash_num_replicas", role="prefill") == 1
+        assert metric_sum(samples, "dflash_num_requests_running", role="prefill") == 2
+        decode = [value for (name, labels), value in samples.items()
+                  if name == "dflash_num_replicas" and ("role", "decode") in labels]
+        assert decode == [0], decode
