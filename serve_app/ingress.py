@@ -119,7 +119,7 @@ def _public(status: int, kind: str, message: str, request_id: str) -> APIError:
         return APIError(status, message, kind)
     log.error("%s: %s (%s): %s", request_id, status, kind, message)
     kind = kind if kind in PUBLIC_MESSAGES else "server_error"
-    code = kind if kind in ("overloaded", "unavailable") else None
+    code = kind if kind in ("overloaded", "unavailable", "transfer_error") else None
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
     return APIError(status, f"{PUBLIC_MESSAGES[kind]} (request {request_id})", kind, code=code, headers=headers)
 

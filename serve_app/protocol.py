@@ -13,7 +13,8 @@ from engine.sequence import SamplingParams
 
 
 class APIError(Exception):
-    """An error with its HTTP status; rendered as ``{"error": {"message", "type", "param", "code"}}``."""
+    """An error with its HTTP status; rendered as ``{"error": {"message", "type", "param", "code"}}``, the code a
+    string or null, as OpenAI's."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None):
@@ -22,8 +23,7 @@ class APIError(Exception):
         self.headers = headers
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code if self.code is not None else self.status}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 # Request bodies are checked in strict mode, as OpenAI does: a value of the wrong JSON type (``true``, ``"5"`` or

@@ -154,6 +154,17 @@ def test_null_means_not_given(ingress, path, fields):
     assert assert_error(ingress.client.post(path, json={**body, required: None}), 422)["param"].startswith(required)
 
 
+def test_error_codes_are_strings_or_null(ingress):
+    """OpenAI's ``code`` is a string or null: a failed KV transfer says ``transfer_error`` (retryable), a bad value
+    has none (it was the HTTP status, a number, before)."""
+    ingress.router = ScriptedRouter(lambda i: [{"type": "error", "status": 500, "message": "READ failed: lease gone",
+                                                "error_type": "transfer_error"}])
+    error = assert_error(ingress.client.post("/v1/completions", json={"model": "tiny", "prompt": "hi"}), 500)
+    assert error["code"] == "transfer_error" and "lease gone" not in error["message"]
+    assert assert_error(ingress.client.post("/v1/completions", json={"model": "tiny", "prompt": "hi",
+                                                                     "max_tokens": -1}), 400)["code"] is None
+
+
 def test_an_engine_check_is_named_as_the_client_sent_it():
     with pytest.raises(APIError) as e:
         sampling_params(ChatCompletionRequest(**CHAT, logprobs=True, top_logprobs=21), 16, 100)
