@@ -48,9 +48,9 @@ class Tokenizer:
 
     def encode(self, text: str, literal: Sequence[tuple[int, int]] = ()) -> list[int]:
         """Token ids of ``text``, a special token's text read as that token, except where it lies in one of the
-        ``literal`` ``(start, end)`` character spans (disjoint): there it is ordinary text (a chat message's content must not
-        open a turn of its own). Outside those spans the text is cut where it would be anyway, at its special
-        tokens, so the ids equal ``encode(text)``'s wherever no literal span holds one."""
+        ``literal`` ``(start, end)`` character spans (disjoint): there it is ordinary text (a chat message's
+        content must not open a turn of its own). Outside those spans the text is cut where it would be anyway, at
+        its special tokens, so the ids equal ``encode(text)``'s wherever no literal span holds one."""
         # encode_batch releases the GIL while it works (encode holds it): a long prompt tokenized on a
         # server's worker thread must not stall its event loop.
         if not literal or self._special_re is None:
