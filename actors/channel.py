@@ -66,6 +66,28 @@ def listening_socket(name: str) -> tuple[socket.socket, str]:
     return listener, address
 
 
+async def open_local(address: str, key: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to the local socket at ``address`` (abstract), ``key`` sent first. OSError if unreachable."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(address)       # local: at once (asyncio's connect refuses abstract addresses)
+    except OSError:
+        sock.close()
+        raise
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    writer.write(frame(key))
+    return reader, writer
+
+
+async def presents_key(reader: asyncio.StreamReader, key: bytes) -> bool:
+    """Whether a new connection's first frame, read within ``KEY_TIMEOUT_S``, is ``key``."""
+    try:
+        sent = await asyncio.wait_for(read_frame(reader, limit=len(key)), KEY_TIMEOUT_S)
+    except (asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, OSError):
+        return False
+    return hmac.compare_digest(sent, key)
+
+
 def _reply_frame(call: int, ok: bool, value) -> bytes:
     try:
         return pickled((call, ok, value))
@@ -101,11 +123,7 @@ class ChannelServer:
             self._listener.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            key = await asyncio.wait_for(read_frame(reader, limit=len(self.key)), KEY_TIMEOUT_S)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, OSError):
-            key = b""
-        if not hmac.compare_digest(key, self.key):
+        if not await presents_key(reader, self.key):
             writer.close()
             return
         try:
@@ -169,15 +187,7 @@ class ChannelClient:
 
     @classmethod
     async def open(cls, info: dict) -> ChannelClient:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.connect(info["address"])       # local: at once (asyncio's connect refuses abstract addresses)
-        except OSError:
-            sock.close()
-            raise
-        reader, writer = await asyncio.open_unix_connection(sock=sock)
-        writer.write(frame(info["key"]))
-        return cls(reader, writer)
+        return cls(*await open_local(info["address"], info["key"]))
 
     @property
     def closed(self) -> bool:

@@ -50,6 +50,44 @@ def merge_chunks(first: dict, later: dict) -> dict:
     return merged
 
 
+def ended_chunk() -> dict:
+    """The replica's last item of a request whose chunks went straight to its caller's sink (``actors.sink``)."""
+    return {"type": "ended"}
+
+
 def ends(item) -> bool:
     """Whether ``item`` (a chunk, a finishing pair, an exception) is the last a request's stream receives."""
-    return not isinstance(item, dict) or item["type"] == "error" or item["finished"]
+    return not isinstance(item, dict) or item["type"] != "tokens" or item["finished"]
+
+
+class Batcher:
+    """A request's chunks on their way to its consumer: what piled up goes as one chunk (token chunks merge, an error
+    chunk takes the place of what was not sent), and after the first tokens one goes every ``interval`` steps (the
+    last at once)."""
+
+    def __init__(self, interval: int = 1):
+        self.interval = interval
+        self.pending: dict | None = None
+        self.steps = 0
+        self.first = True       # until tokens went out
+        self.finished = False
+
+    def add(self, item: dict) -> bool:
+        """The request's next chunk; True if it ends the request."""
+        if item["type"] == "error":
+            self.pending = item
+            self.finished = True
+        else:
+            self.pending = item if self.pending is None else merge_chunks(self.pending, item)
+            self.finished = item["finished"]
+        self.steps += 1
+        return self.finished
+
+    def take(self) -> dict | None:
+        """The chunk to send now, if one is due."""
+        chunk = self.pending
+        if chunk is None or not (self.first or self.finished or self.steps >= self.interval):
+            return None
+        self.first = self.first and not (chunk["type"] == "tokens" and chunk["token_ids"])
+        self.pending, self.steps = None, 0
+        return chunk

@@ -11,7 +11,9 @@ inspection calls); the hot traffic goes over a local socket between the two proc
   the order sent (a stream keeps it: an abort never overtakes the add it aborts); a command that has a result gets
   a reply;
 - outputs, replica-bound: one message per engine step with what that step handed over for every request (token
-  chunks, finishing results, errors), and the replies.
+  chunks, finishing results, errors), and the replies. A request that names a sink on this node (``actors.sink``:
+  its ingress) has its chunks sent there instead, one message per step per sink, and the replica gets
+  ``ended_chunk`` once its last one went.
 
 The socket is in Linux's abstract namespace (nothing on disk to clean up) and takes one connection, which must
 first present a random key that only the actor's caller learns: a frame is unpickled only after that.
@@ -29,7 +31,6 @@ import collections
 import concurrent.futures
 import contextvars
 import dataclasses
-import hmac
 import inspect
 import logging
 import pickle
@@ -40,11 +41,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from actors.channel import (KEY_TIMEOUT_S, ActorLink, ChannelServer, frame, frame_size, header_size,
-                            listening_socket, pickled, read_frame)
-from actors.chunks import ends, error_chunk, error_from, token_chunk
+from actors.channel import (ActorLink, ChannelServer, frame, frame_size, header_size,
+                            listening_socket, open_local, pickled, presents_key, read_frame)
+from actors.chunks import ended_chunk, ends, error_chunk, error_from, token_chunk
 from actors.engine_loop import EngineStopped, ReservationQueue, hand_over, name_native_thread
 from actors.nixl_transfer import TransferError
+from actors.sink import SinkAddress
 from actors.worker import RankWorker, kv_manager
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sequence import SamplingParams, TokenLogprob
@@ -103,19 +105,90 @@ class Handoff:
 
 
 class _Forward:
-    """A request's stream on the host: what the engine loop hands over goes to the outbox, tagged; the first output
-    as a chunk with ``first_extra`` in it when that is set (a take-over's transfer statistics)."""
+    """A request's stream on the host: what the engine loop hands over goes to the outbox (or to the request's
+    sink), tagged; the first output as a chunk with ``first_extra`` in it when that is set (a take-over's transfer
+    statistics)."""
 
     closed = False
     first_extra: dict | None = None
 
-    def __init__(self, request_id: str, outbox: asyncio.Queue):
-        self.request_id, self.outbox = request_id, outbox
+    def __init__(self, request_id: str, outbox: asyncio.Queue, sink: _SinkLink | None = None):
+        self.request_id, self.outbox, self.sink = request_id, outbox, sink
+        if sink is not None:
+            sink.track(request_id)
 
     def put_nowait(self, item) -> None:
         if self.first_extra is not None and isinstance(item, RequestOutput):
             item, self.first_extra = token_chunk(item, **self.first_extra), None
-        self.outbox.put_nowait((self.request_id, item))
+        (self.outbox if self.sink is None else self.sink).put_nowait((self.request_id, item))
+
+
+def _ends_here(item) -> bool:
+    """Whether a handed-over item (an output, a chunk, a finishing pair, an exception) ends its request."""
+    return item.finished if isinstance(item, RequestOutput) else ends(item)
+
+
+class _SinkLink:
+    """The host's connection to one ``actors.sink.ChunkSink``: the chunks of the requests that name it, one frame
+    per batch (a step's). The replica's stream of each such request gets ``ended_chunk`` once its last chunk went.
+    A sink this process cannot reach has the replica relay its chunks instead (``relay``, the replica's outbox); a
+    sink that goes away (its ingress ended) has its requests aborted (``abort``)."""
+
+    def __init__(self, address: SinkAddress, relay: asyncio.Queue, abort: Callable[[str], None]):
+        self.address, self.relay, self.abort = address, relay, abort
+        self.requests: set[str] = set()     # requests whose chunks come here, until their last went
+        self._queue: asyncio.Queue | None = asyncio.Queue()     # None: relayed
+        self.broken = False
+        self._task = asyncio.get_running_loop().create_task(self._send(), context=contextvars.Context())
+
+    def track(self, request_id: str) -> None:
+        if self._queue is not None:
+            self.requests.add(request_id)
+
+    def put_nowait(self, pair: tuple[str, Any]) -> None:
+        if self.broken:       # its request was aborted: nobody reads it
+            return
+        (self.relay if self._queue is None else self._queue).put_nowait(pair)
+
+    async def _send(self) -> None:
+        try:
+            reader, writer = await open_local(self.address.address, self.address.key)
+        except OSError as e:
+            log.warning("cannot reach chunk sink %s (%s): the replica relays its requests' chunks", self.address.name,
+                        e)
+            queue, self._queue = self._queue, None
+            self.requests.clear()
+            while not queue.empty():
+                self.relay.put_nowait(queue.get_nowait())
+            return
+        sending = asyncio.current_task()
+        watch = asyncio.ensure_future(reader.read())      # the sink sends nothing: this ends when it goes away
+        watch.add_done_callback(lambda _: sending.cancel())
+        try:
+            while True:
+                pairs = [await self._queue.get()]
+                while not self._queue.empty():
+                    pairs.append(self._queue.get_nowait())
+                writer.write(pickled(("out", [(request_id, _wire(item)) for request_id, item in pairs])))
+                for request_id, item in pairs:
+                    if _ends_here(item) and request_id in self.requests:
+                        self.requests.discard(request_id)
+                        self.relay.put_nowait((request_id, ended_chunk()))
+                await writer.drain()
+        except (asyncio.CancelledError, ConnectionError, OSError):
+            pass
+        finally:
+            watch.cancel()
+            writer.close()
+            self.broken = True
+            if self.requests:
+                log.warning("chunk sink %s went away: aborting its %d request(s)", self.address.name,
+                            len(self.requests))
+            for request_id in list(self.requests):
+                self.abort(request_id)
+                self.relay.put_nowait((request_id, error_chunk(499, "the ingress streaming this request went away",
+                                                               "aborted")))
+            self.requests.clear()
 
 
 @dataclasses.dataclass
@@ -162,6 +235,7 @@ class EngineHost(RankWorker):
         self._peers: dict[str, ActorLink] = {}    # prefill KV managers by name (a first lookup is a call to Ray's GCS)
         self._plans: dict[str, list[list[int]]] = {}    # per prefill replica (its rank 0's agent): _plan's
         self._outbox: asyncio.Queue = asyncio.Queue()
+        self._sinks: dict[str, _SinkLink] = {}     # by sink name: where requests that name one send their chunks
         self._reservations = ReservationQueue(self.loop)
         self._taking: dict[str, _TakeOver] = {}
         self._stand_bys = 0      # take-overs ever begun (inspection)
@@ -194,11 +268,7 @@ class EngineHost(RankWorker):
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """The replica's connection: its key, then its commands until it closes the connection. Any other
         connection (a second one, a wrong key) is closed unread."""
-        try:
-            key = await asyncio.wait_for(read_frame(reader, limit=len(self._key)), KEY_TIMEOUT_S)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, OSError):
-            key = b""
-        if self._connected or not hmac.compare_digest(key, self._key):
+        if not await presents_key(reader, self._key) or self._connected:
             writer.close()
             return
         self._connected = True
@@ -261,13 +331,23 @@ class EngineHost(RankWorker):
             writer.write(pickled(("out", [(request_id, _wire(item)) for request_id, item in items])))
             await writer.drain()
 
-    def _open(self, request_id: str, on_finish=None) -> _Forward:
-        return self.loop.open_stream(request_id, on_finish, queue=_Forward(request_id, self._outbox))
+    def _open(self, request_id: str, on_finish=None, sink: SinkAddress | None = None) -> _Forward:
+        return self.loop.open_stream(request_id, on_finish,
+                                     queue=_Forward(request_id, self._outbox, sink and self._sink(sink)))
+
+    def _sink(self, address: SinkAddress) -> _SinkLink:
+        """The link to the sink at ``address``, opened on its first request (again if it broke)."""
+        link = self._sinks.get(address.name)
+        if link is None or link.broken:
+            for gone in [name for name, old in self._sinks.items() if old.broken]:     # ingresses that ended
+                del self._sinks[gone]
+            link = self._sinks[address.name] = _SinkLink(address, self._outbox, self._do_abort)
+        return link
 
     # --- commands: each hands its work to the engine loop before returning (an awaitable for its result) -------
     def _do_start(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, hold_pages: bool,
-                  on_finish: Callable[[LLMEngine, RequestOutput], Any] | None):
-        self._open(request_id, on_finish)
+                  on_finish: Callable[[LLMEngine, RequestOutput], Any] | None, sink: SinkAddress | None = None):
+        self._open(request_id, on_finish, sink)
         added = self.loop.call(lambda e: e.add_request(prompt_token_ids, params, request_id=request_id,
                                                         hold_pages=hold_pages))
         return self._started(request_id, added)
@@ -278,10 +358,17 @@ class EngineHost(RankWorker):
             return None
         except (ValueError, EngineStopped) as e:
             self.loop.close_stream(request_id)
+            self._forget(request_id)
             return error_chunk(400, str(e), "invalid_request_error") if isinstance(e, ValueError) else error_from(e)
+
+    def _forget(self, request_id: str) -> None:
+        """The request's stream is closed: no sink waits for its chunks any more."""
+        for link in self._sinks.values():
+            link.requests.discard(request_id)
 
     def _do_abort(self, request_id: str) -> None:
         self.loop.abort(request_id)       # a request whose READ runs keeps its pages until the READ ends
+        self._forget(request_id)
         taking = self._taking.get(request_id)
         if taking is not None:            # still waiting for pages: stop waiting; granted: freed, never READ
             taking.cancelled = True
@@ -294,7 +381,7 @@ class EngineHost(RankWorker):
 
     def _do_stand_by(self, request_id: str, params: SamplingParams, attempt: Callable[[LLMEngine], Any],
                      draft_context: bool, ticket_timeout_s: float, reserve_timeout_s: float,
-                     read_timeout_s: float) -> None:
+                     read_timeout_s: float, sink: SinkAddress | None = None) -> None:
         """Decode side, sent as the prefill starts: reserve pages for the request's prompt (``attempt``:
         ``actors.replica._reserve``) and stand by for its ticket (``hand``, at most ``ticket_timeout_s``); then have
         every rank's KV manager READ its KV into them, and start decoding it. Its stream gets the first output,
@@ -303,7 +390,7 @@ class EngineHost(RankWorker):
         if request_id in self._taking:
             raise ValueError(f"request id {request_id!r} already awaits a transfer here")
         self._stand_bys += 1
-        taking = self._taking[request_id] = _TakeOver(self._open(request_id), params,
+        taking = self._taking[request_id] = _TakeOver(self._open(request_id, sink=sink), params,
                                                       self._reservations.begin(request_id, attempt),
                                                       asyncio.get_running_loop().create_future())
         taking.task = asyncio.get_running_loop().create_task(
@@ -566,6 +653,7 @@ class EngineClient:
             raise RuntimeError(f"the engine process runs on node {info['node_id']}, its replica on {here}: they "
                                "talk over a local socket and must share a node (the rank's scheduling places them so)")
         self.page_size = info["page_size"]
+        self.node_id: str = here
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._socket.connect(info["address"])
@@ -645,14 +733,15 @@ class EngineClient:
         return future if reply else None
 
     async def start(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                    hold_pages: bool = False, on_finish: Callable[[LLMEngine, RequestOutput], Any] | None = None
-                    ) -> dict | None:
+                    hold_pages: bool = False, on_finish: Callable[[LLMEngine, RequestOutput], Any] | None = None,
+                    sink: SinkAddress | None = None) -> dict | None:
         """Add the request (its stream must be open); None, or the error chunk that refused it (bad input: 400;
         the engine stopped: 503). ``on_finish`` runs on the engine thread as the finished output is handed over
-        (``EngineLoop.open_stream``): module-level, it travels by reference."""
+        (``EngineLoop.open_stream``): module-level, it travels by reference. With ``sink`` (on this node) the
+        host sends the request's chunks there, and its stream here gets only ``ended_chunk`` or an error."""
         try:
             return await asyncio.wrap_future(self._command("start", request_id, list(prompt_token_ids), params,
-                                                           hold_pages, on_finish, reply=True))
+                                                           hold_pages, on_finish, sink, reply=True))
         except EngineStopped as e:
             return error_from(e)
 
@@ -673,14 +762,15 @@ class EngineClient:
 
     async def stand_by(self, request_id: str, params: SamplingParams, attempt: Callable[[LLMEngine], Any],
                        draft_context: bool, ticket_timeout_s: float, reserve_timeout_s: float,
-                       read_timeout_s: float) -> dict | None:
+                       read_timeout_s: float, sink: SinkAddress | None = None) -> dict | None:
         """Have the host reserve pages for a request whose prefill runs elsewhere and stand by for its ticket (then
         READ its KV and start decoding it: ``EngineHost._do_stand_by``); its stream must be open. None once the
         host stands by (a ``hand`` may come from now on), or the error chunk that refused it. Its outcome arrives
         on the stream, and ``abort`` stops it."""
         try:
             await asyncio.wrap_future(self._command("stand_by", request_id, params, attempt, draft_context,
-                                                    ticket_timeout_s, reserve_timeout_s, read_timeout_s, reply=True))
+                                                    ticket_timeout_s, reserve_timeout_s, read_timeout_s, sink,
+                                                    reply=True))
         except EngineStopped as e:
             return error_from(e)
         except ValueError as e:

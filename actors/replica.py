@@ -24,10 +24,11 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 
 from actors.channel import ActorLink
-from actors.chunks import error_chunk, merge_chunks
+from actors.chunks import Batcher, error_chunk
 from actors.engine_host import Handoff, PrefillPages
 from actors.engine_loop import EngineStopped
 from actors.logs import configure_actor_logging
+from actors.sink import SinkAddress
 from actors.worker import HEALTH_PING_TIMEOUT_S, RankGroup, RankProblem, freeze_heap
 from engine.llm import EngineConfig
 from engine.llm_engine import LLMEngine, RequestOutput
@@ -188,34 +189,34 @@ class EngineReplica:
     async def page_digest(self, tables: list[list[int]], owners: Sequence[str] = ("target", "draft")) -> str:
         return await self.group.host.page_digest.remote(tables, owners)
 
+    def _local(self, sink: SinkAddress | None) -> SinkAddress | None:
+        """``sink`` if the engine's process can send to it (it runs on this node), else None: this replica relays."""
+        return sink if sink is not None and sink.node_id == self.engine.node_id else None
+
     async def _stream(self, request_id: str, queue: asyncio.Queue, **first_extra) -> AsyncIterator[dict]:
         """Chunks until the request finishes; what piled up while the consumer was busy goes as one chunk, and
         after the first tokens one goes every ``stream_interval`` steps (the last at once).
         A consumer that goes away first aborts the request (its pages are freed, or after a running READ)."""
         finished = False
         extra = first_extra
-        chunk, steps, first = None, 0, True
+        batch = Batcher(self.stream_interval)
         try:
             while not finished:
                 items = [await queue.get()]
                 while not queue.empty():
                     items.append(queue.get_nowait())
                 for item in items:
-                    if item["type"] == "error":
-                        finished = True
-                        chunk = item       # what was not sent yet goes with the request
+                    # "ended": its chunks went straight to the caller's sink, the last too
+                    finished = item["type"] == "ended" or batch.add(item)
+                    if finished:
                         break
-                    finished = item["finished"]
-                    chunk = item if chunk is None else merge_chunks(chunk, item)
-                    steps += 1
-                if not (first or finished or steps >= self.stream_interval):
+                chunk = batch.take()
+                if chunk is None:
                     continue
                 if extra and chunk["type"] == "tokens":
                     chunk.update(extra)
                     extra = {}
                 yield chunk
-                first = first and not (chunk["type"] == "tokens" and chunk["token_ids"])   # until tokens went out
-                chunk, steps = None, 0
         finally:
             if not finished:
                 self.engine.abort(request_id)
@@ -230,15 +231,17 @@ class EngineReplica:
 class AggregatedReplica(EngineReplica):
     """Prefill and decode in one engine: no transfer."""
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[dict]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       sink: SinkAddress | None = None) -> AsyncIterator[dict]:
+        """The request's chunks; with a ``sink`` on this node its token chunks go there instead, straight from the
+        engine's process, and this stream carries only a refusal or failure (``actors.sink``)."""
         try:
             queue = self.engine.open_stream(request_id)
         except ValueError as e:
             yield in_use(e)
             return
         try:
-            refused = await self.engine.start(request_id, prompt_token_ids, params)
+            refused = await self.engine.start(request_id, prompt_token_ids, params, sink=self._local(sink))
         except BaseException:       # cancelled while being added: it may have been added all the same
             self.engine.abort(request_id)
             raise
@@ -390,15 +393,15 @@ class DecodeReplica(EngineReplica):
     role = "decode"
     transfers = True
 
-    async def stand_by(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[dict]:
+    async def stand_by(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       sink: SinkAddress | None = None) -> AsyncIterator[dict]:
         """A chunk ``{"type": "standby", "host": name}`` once this replica's engine process stands by for the
         request's ticket (the caller hands it to the actor of that name: ``EngineHost.hand``), then the request's
         chunks: the first carries ``transfer``. The request waits for pages as TRANSFERRING, never scheduled and
         its pages never freed, behind older reservations while the pool is full (granted in the step that frees
         pages; no timer), then its KV is READ once the ticket has come, and it decodes from the step after the
-        READ ends."""
-        async for chunk in self._decode(request_id, prompt_token_ids, params):
+        READ ends. With a ``sink`` on this node the request's chunks after ``standby`` go there (``generate``)."""
+        async for chunk in self._decode(request_id, prompt_token_ids, params, sink=self._local(sink)):
             yield chunk
 
     async def decode(self, ticket: Ticket) -> AsyncIterator[dict]:
@@ -408,7 +411,7 @@ class DecodeReplica(EngineReplica):
             yield chunk
 
     async def _decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      ticket: Ticket | None = None) -> AsyncIterator[dict]:
+                      ticket: Ticket | None = None, sink: SinkAddress | None = None) -> AsyncIterator[dict]:
         try:
             queue = self.engine.open_stream(request_id)
         except ValueError as e:       # the lease is the other request's: left alone
@@ -424,7 +427,7 @@ class DecodeReplica(EngineReplica):
             try:
                 refused = await self.engine.stand_by(request_id, params, attempt, self.transfer_draft_kv,
                                                      self.ticket_timeout_s, self.reserve_timeout_s,
-                                                     self.read_timeout_s)
+                                                     self.read_timeout_s, sink=sink)
             except BaseException:      # cancelled while the command was on its way: the host may stand by already
                 self.engine.abort(request_id)
                 raise

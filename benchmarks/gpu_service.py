@@ -353,6 +353,9 @@ def main() -> int:
                    help="throughput: with this many ingress replicas, each in turn (default: the config's)")
     p.add_argument("--stream-interval", type=int, nargs="+", default=None, metavar="K",
                    help="throughput: with the replicas streaming every K steps, each in turn (default: the config's)")
+    p.add_argument("--direct-chunks", nargs="+", default=None, choices=["on", "off"],
+                   help="throughput: with the service's direct_chunks so, each in turn (repeat to alternate: on off "
+                        "on off; default: the config's)")
     p.add_argument("--cuda-graphs", nargs="+", default=None, choices=["auto", "on", "decode", "off"],
                    help="throughput: with the engines' cuda_graphs set so, each in turn (default: the config's)")
     p.add_argument("--out", default="out/gpu_service")
@@ -377,9 +380,9 @@ def main() -> int:
     gpu = args.device.startswith("cuda")
     # Throughput variants: every combination of the settings given (none: the config's).
     variants = [{**({} if i is None else {"ingress_replicas": i}), **({} if k is None else {"stream_interval": k}),
-                 **({} if g is None else {"cuda_graphs": g})}
+                 **({} if g is None else {"cuda_graphs": g}), **({} if d is None else {"direct_chunks": d == "on"})}
                 for i in args.ingress_replicas or [None] for k in args.stream_interval or [None]
-                for g in args.cuda_graphs or [None]]
+                for g in args.cuda_graphs or [None] for d in args.direct_chunks or [None]]
     if gpu and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no GPU visible")
     out = Path(args.out)
@@ -455,7 +458,7 @@ def main() -> int:
         print(format_table(summaries))
         offline_rows = result["throughput"]["offline"]
         tables = []
-        for variant in variants:
+        for variant in [v for i, v in enumerate(variants) if v not in variants[:i]]:     # a repeated one: its runs
             runs = [s for s in summaries if s["variant"] == variant]
             title = "" if not variant else ", ".join(f"{k} {v}" for k, v in variant.items()) + ":\n"
             tables.append(title + _ratios(runs, [o for o in offline_rows if o["label"] == "offline"]))

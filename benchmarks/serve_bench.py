@@ -149,14 +149,14 @@ def _median(values):
     return values[len(values) // 2] if values else None
 
 
-def _ratios(summaries: list[dict], offline: list[dict]) -> str:
+def _ratios(summaries: list[dict], offline: list[dict], suffix: str = "") -> str:
     """Medians over the repeats: HTTP output tokens/s against the offline engine, and what disaggregation
-    adds to TTFT (p50) against the NIXL READ time."""
+    adds to TTFT (p50) against the NIXL READ time (of the apps labelled agg and disagg, plus ``suffix``)."""
     rows = ["| conc | agg HTTP / offline | disagg HTTP / offline | disagg - agg TTFT p50 ms | READ ms | ratio |",
             "|---|---|---|---|---|---|"]
     for c in sorted({o["max_concurrency"] for o in offline}):
         off = _median([o["output_throughput"] for o in offline if o["max_concurrency"] == c])
-        runs = {name: [s for s in summaries if s["label"] == name and s["max_concurrency"] == c]
+        runs = {name: [s for s in summaries if s["label"] == name + suffix and s["max_concurrency"] == c]
                 for name in ("agg", "disagg")}
         tput = {name: _median([s["output_throughput"] for s in rs]) for name, rs in runs.items()}
         ttft = {name: _median([s["ttft_s"]["p50"] for s in rs]) for name, rs in runs.items()}
@@ -243,6 +243,9 @@ def main() -> int:
                    help="throughput: Ray Serve's high-throughput mode, as dflash-serve up runs it (SERVE_ENV in "
                         "serve_app/config.py); default: Serve's own defaults (its Python HTTP proxy, Ray calls "
                         "between deployments)")
+    p.add_argument("--direct-chunks", nargs="+", choices=["on", "off"], default=["on"],
+                   help="the service's direct_chunks, each deployed side by side (apps agg and disagg for on, "
+                        "agg-relay and disagg-relay for off) and run in turn")
     args = p.parse_args()
     serving = _serve_mode(args.serve_mode)
     # Read by the raylet this process starts (RayConfig ``worker_niceness``).
@@ -266,18 +269,24 @@ def main() -> int:
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        for mode, name in (("aggregated", "agg"), ("disaggregated", "disagg")):
-            # The service's default metrics interval (the tests' 0.2 s reports cost CPU beside the engine).
-            app_args = service_args(target, drafter, mode=mode, metrics_report_interval_s=1.0,
-                                    model={"num_pages": 256, "max_model_len": 1024,
-                                           "max_num_batched_tokens": 512})   # as the offline engine
-            serve.run(build_app(app_args), name=name, route_prefix=f"/{name}")
-            wait_healthy(f"http://127.0.0.1:{port}/{name}")
+        names = []
+        for direct in dict.fromkeys(args.direct_chunks):
+            for mode, name in (("aggregated", "agg"), ("disaggregated", "disagg")):
+                name += "" if direct == "on" else "-relay"
+                # The service's default metrics interval (the tests' 0.2 s reports cost CPU beside the engine).
+                app_args = service_args(target, drafter, mode=mode, metrics_report_interval_s=1.0,
+                                        direct_chunks=direct == "on",
+                                        model={"num_pages": 256, "max_model_len": 1024,
+                                               "max_num_batched_tokens": 512})   # as the offline engine
+                serve.run(build_app(app_args), name=name, route_prefix=f"/{name}")
+                wait_healthy(f"http://127.0.0.1:{port}/{name}")
+                names.append(name)
         for repeat, concurrency in [(r, c) for r in range(args.repeats) for c in args.concurrency]:
-            for name in ("agg", "disagg"):
+            for name in names:
                 url = f"http://127.0.0.1:{port}/{name}"
                 summaries.append(measured_run(url, _bench_args(url, name, concurrency, args)))
-        pairs = paired({name: f"http://127.0.0.1:{port}/{name}" for name in ("agg", "disagg")}, args) \
+        suffix = "" if "on" in args.direct_chunks else "-relay"
+        pairs = paired({name: f"http://127.0.0.1:{port}/{name}{suffix}" for name in ("agg", "disagg")}, args) \
             if args.paired else None
     finally:
         serve.shutdown()
@@ -291,7 +300,9 @@ def main() -> int:
     print(f"pair: {pair}; Ray workers at nice {args.worker_niceness}, offline engine at nice {os.nice(0)}; "
           f"Serve mode {args.serve_mode} ({serving})")
     print(format_table(summaries))
-    print(_ratios(summaries, offline))
+    for direct in dict.fromkeys(args.direct_chunks):
+        suffix = "" if direct == "on" else "-relay"
+        print(f"direct_chunks {direct}:\n{_ratios(summaries, offline, suffix)}")
     if pairs:
         print(format_paired(pairs))
     print("| offline | conc | req/s | out tok/s | E2E p50 (batch) ms | AL |\n|---|---|---|---|---|---|")

@@ -167,6 +167,10 @@ class ServiceConfig(_Strict):
     # an item through Serve's streams (replica, ingress, proxy); at 1 each step's tokens go out at once, at k a
     # request's tokens go out every k steps, for k times fewer items (vLLM's --stream-interval does likewise).
     stream_interval: int = Field(1, ge=1, le=64)
+    # Token chunks from an engine's process straight to the ingress on its node, one message per engine step for all
+    # of that ingress's requests (``actors/sink.py``); off, or across nodes, each chunk goes through its replica's
+    # Serve stream. Serve still routes, counts and cancels every request either way.
+    direct_chunks: bool = True
     max_concurrent_requests: int = Field(256, ge=1)  # choices (prompts x n) per ingress replica; beyond: 429
     max_request_bytes: int = Field(1 << 20, ge=1024)  # a larger request body is refused (413) unread
     # Clients must send "Authorization: Bearer <key>" on /v1/* when a key is set (here or, better, kept out of

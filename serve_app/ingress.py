@@ -34,6 +34,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.logs import configure_actor_logging
+from actors.sink import ChunkSink
 from actors.worker import freeze_heap
 from engine.sequence import SamplingParams, TokenLogprob
 from serve_app.config import ServiceConfig
@@ -316,10 +317,13 @@ class Ingress:
         self.model_name = self.service.model.name
         self.metrics = ServiceMetrics(self.model_name, ("aggregated",) if self.service.mode == "aggregated"
                                       else ("prefill", "decode"))
-        self.router = Router(backends, on_transfer=lambda stats: self.metrics.observe_transfer(stats, stats is None))
+        self.ingress_id = f"ingress-{uuid.uuid4().hex[:8]}"
+        self.sink = ChunkSink(self.ingress_id) if self.service.direct_chunks else None
+        self.router = Router(backends, on_transfer=lambda stats: self.metrics.observe_transfer(stats, stats is None),
+                             sink=self.sink, stream_interval=self.service.stream_interval,
+                             on_chunk=lambda path: self.metrics.stream_chunks.labels(self.model_name, path).inc())
         self.hub = hub
         self._hub_client = HubClient(hub)      # for the reporter thread
-        self.ingress_id = f"ingress-{uuid.uuid4().hex[:8]}"
         self._closed = threading.Event()
         threading.Thread(target=self._report, name="metrics-reporter", daemon=True).start()
         self.roles = self.service.engine_roles()

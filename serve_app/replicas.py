@@ -48,10 +48,13 @@ class _Served:
                     gauges = self.group.host.gauges.remote().future().result(timeout=10)
                     snap = engine_snapshot(gauges, self.role, interval)
                 self._hub.report(self.replica_id, snap)
-            except Exception:      # a missed report only ages the gauges; keep the replica serving
+            except Exception as e:      # a missed report only ages the gauges; keep the replica serving
                 if self._closed.is_set():      # shut down while reporting: the engine loop is gone, as meant
                     return
-                log.exception("metrics report failed")
+                if isinstance(e, TimeoutError):     # a stalled or loaded engine process: the health check says more
+                    log.warning("%s: metrics report timed out (the engine's process did not answer)", self.replica_id)
+                else:
+                    log.exception("metrics report failed")
 
     def __del__(self):
         self.shutdown()

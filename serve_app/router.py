@@ -14,16 +14,28 @@ import time
 from collections.abc import AsyncIterator
 
 from actors.channel import ActorLink
+from actors.chunks import Batcher, ended_chunk, error_chunk
+from actors.sink import ChunkSink
 from actors.worker import rank_actor
 from engine.sequence import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
+# How long a request whose replica stream ended waits for its last chunk on the sink (sent before that end).
+LAST_CHUNK_S = 10.0
+
+
 class Router:
-    def __init__(self, backends: dict, on_transfer=None):
+    def __init__(self, backends: dict, on_transfer=None, sink: ChunkSink | None = None, stream_interval: int = 1,
+                 on_chunk=None):
         self.backends = backends
         self.disaggregated = "prefill" in backends
+        # With a sink, the engine processes on this node send the requests' token chunks straight to it
+        # (``actors.sink``), a step's at a time, and the replicas' streams carry only refusals and failures.
+        self.sink = sink
+        self.stream_interval = stream_interval
+        self.on_chunk = on_chunk or (lambda path: None)     # called with "sink" or "replica" per token chunk
         # Called with the decode's transfer stats (and ``handoff_s``: from the prefill's result here to the decode
         # side's first output here), or None on failure.
         self.on_transfer = on_transfer
@@ -33,10 +45,23 @@ class Router:
     async def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
                      ) -> AsyncIterator[dict]:
         """Chunks (``token_chunk``/``error_chunk`` dicts); closing the iterator cancels the replica's work."""
+        sink = queue = None
+        if self.sink is not None:
+            sink, queue = await self.sink.address(), self.sink.open(request_id)
+        try:
+            async for chunk in self._stream(request_id, prompt_token_ids, params, sink, queue):
+                yield chunk
+        finally:
+            if self.sink is not None:
+                self.sink.close(request_id)
+
+    async def _stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink, queue
+                      ) -> AsyncIterator[dict]:
         if not self.disaggregated:
             gen = self.backends["aggregated"].options(stream=True).generate.remote(request_id, prompt_token_ids,
-                                                                                  params)
-            async for chunk in _cancel_on_exit(gen):
+                                                                                  params, sink)
+            chunks = self._relayed(gen) if sink is None else self._through_sink(request_id, gen, queue)
+            async for chunk in chunks:
                 yield chunk
             return
         # The decode call goes out with the prefill: its replica's engine process reserves the prompt's pages while the
@@ -49,7 +74,7 @@ class Router:
         prefill = _only_item(self.backends["prefill"].options(stream=True).prefill_stream.remote(
             request_id, prompt_token_ids, params))
         decode = _StandBy(self, request_id, contextvars.Context().run(
-            self.backends["decode"].options(stream=True).stand_by.remote, request_id, prompt_token_ids, params))
+            self.backends["decode"].options(stream=True).stand_by.remote, request_id, prompt_token_ids, params, sink))
         ticket, completed, keep = None, False, None
         try:
             result = await prefill
@@ -70,7 +95,7 @@ class Router:
             if early:
                 yield ticket.first_chunk()
             first = True
-            async for chunk in decode.chunks():
+            async for chunk in decode.chunks(queue):
                 keep.cancel()
                 if first and self.on_transfer is not None:
                     if chunk["type"] == "tokens" and chunk.get("transfer") is not None:
@@ -99,6 +124,53 @@ class Router:
                 decode.drop()
                 if ticket is not None:
                     ticket.cancel()
+
+    async def _through_sink(self, request_id: str, gen, queue: asyncio.Queue) -> AsyncIterator[dict]:
+        """A request's chunks from the sink (``queue``: its queue there), merged with what its replica's
+        stream ``gen`` brings (a refusal, a failure); what piled up goes as one chunk, and after the first tokens
+        one goes every ``stream_interval`` steps (the last at once). Closed before the last chunk (a disconnect),
+        it cancels the replica's call, which aborts the request."""
+        pump = asyncio.ensure_future(_pump(gen, queue, self.on_chunk))
+        finished = False
+        try:
+            batch, ended = Batcher(self.stream_interval), False
+            while not finished:
+                try:
+                    items = [await (asyncio.wait_for(queue.get(), LAST_CHUNK_S) if ended else queue.get())]
+                except asyncio.TimeoutError:
+                    items = [error_chunk(502, f"request {request_id}: its replica's stream ended without its last "
+                                              "chunk", "server_error")]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                for item in items:
+                    if isinstance(item, BaseException):     # the replica's call failed (Serve raises it)
+                        finished = True
+                        raise item
+                    if item["type"] == "ended":     # the replica's stream ended: its last chunk is here or coming
+                        ended = True
+                        continue
+                    if item["type"] == "tokens" and not item.pop("relayed", False):
+                        self.on_chunk("sink")
+                    if batch.add(item):
+                        break
+                finished = batch.finished
+                # The last chunk ends the request: a consumer that stops reading after it cancels nothing.
+                chunk = batch.take()
+                if chunk is not None:
+                    yield chunk
+        finally:
+            if finished:        # the replica's call ends by itself: let it (a cancel now would abort nothing)
+                self._keep(pump)
+            else:
+                pump.cancel()
+                gen.cancel()
+
+    async def _relayed(self, gen) -> AsyncIterator[dict]:
+        """``_cancel_on_exit(gen)``, counted."""
+        async for chunk in _cancel_on_exit(gen):
+            if chunk["type"] == "tokens":
+                self.on_chunk("replica")
+            yield chunk
 
     def _hand(self, host: str, ticket) -> None:
         """The ticket to the decode engine's process that stands by for it (``EngineHost.hand``), not awaited: the
@@ -136,7 +208,10 @@ class Router:
 
     def _detach(self, coroutine) -> None:
         """Run ``coroutine`` apart from the request's task: a cancelled request (a disconnect) must not cancel it."""
-        task = asyncio.get_running_loop().create_task(coroutine, context=contextvars.Context())
+        self._keep(asyncio.get_running_loop().create_task(coroutine, context=contextvars.Context()))
+
+    def _keep(self, task: asyncio.Future) -> None:
+        """Hold ``task`` until it ends (the event loop keeps only a weak reference)."""
         self._handing.add(task)
         task.add_done_callback(self._handing.discard)
 
@@ -172,12 +247,17 @@ class _StandBy:
             self.handed = True
             self.router._hand(chunk["host"], self.ticket)
 
-    async def chunks(self) -> AsyncIterator[dict]:
-        """The decode side's chunks after the ``standby`` one (an error chunk in its place comes first)."""
+    async def chunks(self, queue: asyncio.Queue | None = None) -> AsyncIterator[dict]:
+        """The decode side's chunks after the ``standby`` one (an error chunk in its place comes first), from the
+        request's sink ``queue`` where it has one (``Router._through_sink``)."""
         chunk = await asyncio.shield(self.first)
         if chunk["type"] != "standby":
             yield chunk
-        async for chunk in self.gen:
+            if queue is not None:
+                return
+        chunks = self.router._relayed(self.gen) if queue is None else self.router._through_sink(self.request_id,
+                                                                                                  self.gen, queue)
+        async for chunk in chunks:
             yield chunk
 
     def drop(self) -> None:
@@ -203,6 +283,21 @@ class _StandBy:
                 log.debug("ending a decode stand-by", exc_info=True)
 
         self.router._detach(drop())
+
+
+async def _pump(gen, queue: asyncio.Queue, on_chunk) -> None:
+    """A replica's stream into the request's sink queue: its chunks (marked ``relayed``), then ``ended_chunk`` (or
+    the exception its call raised)."""
+    try:
+        async for chunk in gen:
+            if chunk["type"] == "tokens":
+                on_chunk("replica")
+                chunk["relayed"] = True
+            queue.put_nowait(chunk)
+    except Exception as e:
+        queue.put_nowait(e)
+        return
+    queue.put_nowait(ended_chunk())
 
 
 async def _only_item(gen) -> dict:

@@ -1,0 +1,135 @@
+"""Token chunks sent by the engine's process straight to the caller's sink (``actors.sink``): the same chunks as
+relayed by the replica, the replica's stream carrying none of them; relayed when the sink is on another node or
+cannot be reached; and a sink that goes away has its requests aborted and their pages freed."""
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+
+pytestmark = pytest.mark.ray
+
+import ray  # noqa: E402
+
+from actors.replica import AggregatedReplica  # noqa: E402
+from actors.sink import ChunkSink, SinkAddress  # noqa: E402
+from engine.llm import EngineConfig  # noqa: E402
+from engine.sequence import SamplingParams  # noqa: E402
+
+PROMPT = [(7 * j) % 100 + 1 for j in range(30)]
+PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def replica(ray_cluster, tiny_target):
+    r = AggregatedReplica(EngineConfig(model=str(tiny_target), page_size=16, num_pages=64))
+    yield r
+    r.shutdown()
+
+
+async def _drain(stream) -> list[dict]:
+    return [chunk async for chunk in stream]
+
+
+async def _from_sink(queue: asyncio.Queue) -> list[dict]:
+    chunks = [await asyncio.wait_for(queue.get(), 30)]
+    while chunks[-1]["type"] == "tokens" and not chunks[-1]["finished"]:
+        chunks.append(await asyncio.wait_for(queue.get(), 30))
+    return chunks
+
+
+def _tokens(chunks: list[dict]) -> tuple[list[int], str]:
+    assert all(c["type"] == "tokens" for c in chunks), chunks
+    return [t for c in chunks for t in c["token_ids"]], "".join(c["text"] for c in chunks)
+
+
+def _pages_free(replica, timeout_s: float = 10) -> int:
+    deadline = time.monotonic() + timeout_s
+    while (n := ray.get(replica.group.host.pages_in_use.remote())) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return n
+
+
+def test_chunks_go_straight_to_the_sink_and_equal_the_relayed_ones(replica):
+    async def run():
+        sink = ChunkSink("test")
+        where = await sink.address()
+        relayed = await _drain(replica.generate("relayed", PROMPT, PARAMS))
+        queue = sink.open("direct")
+        through_replica = await _drain(replica.generate("direct", PROMPT, PARAMS, where))
+        direct = await _from_sink(queue)
+        frames = sink.frames
+        # A sink on another node (as the replica sees it) gets nothing: the replica relays.
+        elsewhere = sink.open("elsewhere")
+        other = await _drain(replica.generate("elsewhere", PROMPT, PARAMS, dataclasses.replace(where, node_id="x")))
+        await asyncio.sleep(0.2)
+        sink.shutdown()
+        return relayed, through_replica, direct, frames, other, elsewhere.qsize()
+
+    relayed, through_replica, direct, frames, other, misplaced = asyncio.run(run())
+    assert through_replica == []        # the replica's stream ended with the request, carrying no chunk
+    ids, text = _tokens(relayed)
+    assert len(ids) == 24
+    assert _tokens(direct) == (ids, text)
+    assert direct[-1]["finish_reason"] == relayed[-1]["finish_reason"] == "length"
+    assert direct[-1]["spec"] == relayed[-1]["spec"] and "timing" in direct[-1]
+    assert 1 <= frames <= len(direct)       # a step's chunks as one frame
+    assert _tokens(other) == (ids, text) and misplaced == 0
+    assert _pages_free(replica) == 0
+
+
+def test_a_sink_that_cannot_be_reached_gets_its_chunks_relayed(replica):
+    """The sink's node is this one but its socket is not there (as in a separate network namespace): the engine's
+    process cannot connect, and the replica relays the chunks instead."""
+    async def run():
+        expected = await _drain(replica.generate("expected", PROMPT, PARAMS))
+        nowhere = SinkAddress("nowhere", ray.get_runtime_context().get_node_id(), "\0dflash-no-such-sink", b"k" * 32)
+        return expected, await _drain(replica.generate("unreached", PROMPT, PARAMS, nowhere))
+
+    expected, relayed = asyncio.run(run())
+    assert _tokens(relayed) == _tokens(expected) and relayed[-1]["finished"]
+
+
+def test_a_sink_that_goes_away_aborts_its_requests_and_frees_their_pages(replica):
+    """Its ingress ended: nobody reads the request any more. The engine aborts it, its replica's stream ends with an
+    error, its pages are freed, and the next request is served."""
+    async def run():
+        sink = ChunkSink("leaving")
+        queue = sink.open("long")
+        stream = asyncio.ensure_future(_drain(replica.generate(
+            "long", PROMPT, SamplingParams(max_tokens=2000, ignore_eos=True), await sink.address())))
+        first = await asyncio.wait_for(queue.get(), 60)
+        sink.shutdown()
+        return first, await asyncio.wait_for(stream, 30)
+
+    first, rest = asyncio.run(run())
+    assert first["type"] == "tokens" and first["token_ids"]
+    assert len(rest) == 1 and rest[0]["type"] == "error" and rest[0]["status"] == 499, rest
+    assert _pages_free(replica) == 0
+    after = asyncio.run(_drain(replica.generate("after", PROMPT, SamplingParams(max_tokens=4))))
+    assert len(_tokens(after)[0]) == 4
+
+
+def test_a_sink_reads_only_connections_that_present_its_key(ray_cluster):
+    """A connection whose first frame is not the sink's key is closed unread: its chunks never reach a request."""
+    from actors.channel import open_local, pickled
+
+    chunk = {"type": "tokens", "token_ids": [5], "text": "x", "finished": False, "finish_reason": None}
+
+    async def run():
+        sink = ChunkSink("keyed")
+        where = await sink.address()
+        queue = sink.open("r")
+        reader, writer = await open_local(where.address, b"x" * len(where.key))
+        writer.write(pickled(("out", [("r", {**chunk, "text": "forged"})])))
+        closed_unread = await asyncio.wait_for(reader.read(), 10) == b""
+        reader, writer = await open_local(where.address, where.key)
+        writer.write(pickled(("out", [("r", chunk), ("not-open", chunk)])))
+        got = await asyncio.wait_for(queue.get(), 10)
+        writer.close()
+        sink.shutdown()
+        return closed_unread, got, queue.qsize(), sink.chunks
+
+    closed_unread, got, left, delivered = asyncio.run(run())
+    assert closed_unread and got == chunk and left == 0 and delivered == 1
