@@ -31,6 +31,7 @@ import collections
 import concurrent.futures
 import contextvars
 import dataclasses
+import functools
 import inspect
 import logging
 import pickle
@@ -47,61 +48,12 @@ from actors.chunks import ended_chunk, ends, error_chunk, error_from, token_chun
 from actors.engine_loop import EngineStopped, ReservationQueue, hand_over, name_native_thread
 from actors.nixl_transfer import TransferError
 from actors.sink import SinkAddress
+from actors.ticket import Handoff, PrefillOffer, PrefillPages, Ticket, send_holds
 from actors.worker import RankWorker, kv_manager
 from engine.llm_engine import LLMEngine, RequestOutput
-from engine.sequence import SamplingParams, TokenLogprob
+from engine.sequence import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-def detached(fn, *args):
-    """``fn(*args)`` outside the calling Ray task. An async actor finds the task that submits a call through a
-    context variable, and cancelling a task cancels what it submitted: a clean-up call made while its request
-    is being cancelled (a client went away) would be cancelled with it."""
-    return contextvars.Context().run(fn, *args)
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillPages:
-    """A prefilled request's pages on its prefill replica, held under a lease per prefill rank: what a decode
-    take-over READs, or gives back (the part of ``actors.replica.Ticket`` the engine's process needs)."""
-
-    request_id: str
-    tables: list[list[int]]        # per space: the prefill pages of the prompt (the same ids on every rank)
-    leases: list[str]              # per prefill rank: the lease its KV manager holds the pages under
-    peer_agents: list[str]         # per prefill rank: its NIXL agent, also its KVManagerActor's name
-
-    async def renew(self) -> list[bool]:
-        """``KVManagerActor.renew`` of every prefill rank's lease (False where the lease is gone, or its KV manager)."""
-        async def one(agent: str, lease: str) -> bool:
-            try:
-                return await (await asyncio.to_thread(kv_manager, agent)).renew.remote(lease)
-            except Exception:       # that KV manager is gone, and its pages with it
-                return False
-
-        return list(await asyncio.gather(*(one(a, lease) for a, lease in zip(self.peer_agents, self.leases))))
-
-    def cancel(self, ranks: Sequence[int] | None = None) -> None:
-        """Give the held pages back now (the request will not be decoded), on every prefill rank or on ``ranks``.
-        Safe to call from a request that is being cancelled."""
-        for rank, (agent, lease) in enumerate(zip(self.peer_agents, self.leases)):
-            if ranks is not None and rank not in ranks:
-                continue
-            try:
-                detached(kv_manager(agent).cancel.remote, lease)
-            except ValueError:      # that KV manager is gone, and its pages with it
-                pass
-
-
-@dataclasses.dataclass(frozen=True)
-class Handoff:
-    """What a prefill's ticket brings to a decode take-over standing by for it (``EngineHost.hand``): the pages to
-    READ, the first token, and the prefill ranks' descriptions (to register them the first time)."""
-
-    pages: PrefillPages
-    first_token: int
-    first_logprob: TokenLogprob | None
-    rank_infos: list[str]
 
 
 class _Forward:
@@ -117,9 +69,15 @@ class _Forward:
         if sink is not None:
             sink.track(request_id)
 
+    issue: Callable[[Any], dict | None] | None = None      # a prefill's: its finishing output to its result
+
     def put_nowait(self, item) -> None:
         if self.first_extra is not None and isinstance(item, RequestOutput):
             item, self.first_extra = token_chunk(item, **self.first_extra), None
+        if self.issue is not None:
+            item = self.issue(item)
+            if item is None:
+                return
         (self.outbox if self.sink is None else self.sink).put_nowait((self.request_id, item))
 
 
@@ -236,6 +194,7 @@ class EngineHost(RankWorker):
         self._plans: dict[str, list[list[int]]] = {}    # per prefill replica (its rank 0's agent): _plan's
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._sinks: dict[str, _SinkLink] = {}     # by sink name: where requests that name one send their chunks
+        self._tickets: dict[str, Ticket] = {}      # prefills issued here, until their pages are released
         self._reservations = ReservationQueue(self.loop)
         self._taking: dict[str, _TakeOver] = {}
         self._stand_bys = 0      # take-overs ever begun (inspection)
@@ -346,8 +305,12 @@ class EngineHost(RankWorker):
 
     # --- commands: each hands its work to the engine loop before returning (an awaitable for its result) -------
     def _do_start(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, hold_pages: bool,
-                  on_finish: Callable[[LLMEngine, RequestOutput], Any] | None, sink: SinkAddress | None = None):
-        self._open(request_id, on_finish, sink)
+                  on_finish: Callable[[LLMEngine, RequestOutput], Any] | None, sink: SinkAddress | None = None,
+                  offer: PrefillOffer | None = None, ticket_params: SamplingParams | None = None):
+        stream = self._open(request_id, on_finish, sink)
+        if offer is not None:
+            stream.issue = functools.partial(self._issue, request_id, list(prompt_token_ids), ticket_params, offer,
+                                             time.perf_counter())
         added = self.loop.call(lambda e: e.add_request(prompt_token_ids, params, request_id=request_id,
                                                         hold_pages=hold_pages))
         return self._started(request_id, added)
@@ -367,8 +330,12 @@ class EngineHost(RankWorker):
             link.requests.discard(request_id)
 
     def _do_abort(self, request_id: str) -> None:
-        self.loop.abort(request_id)       # a request whose READ runs keeps its pages until the READ ends
         self._forget(request_id)
+        ticket = self._tickets.pop(request_id, None)
+        if ticket is not None:      # its pages are held under leases: ending those frees them (``_do_release``)
+            self._keep(asyncio.ensure_future(asyncio.to_thread(ticket.cancel)))
+            return
+        self.loop.abort(request_id)       # a request whose READ runs keeps its pages until the READ ends
         taking = self._taking.get(request_id)
         if taking is not None:            # still waiting for pages: stop waiting; granted: freed, never READ
             taking.cancelled = True
@@ -377,7 +344,26 @@ class EngineHost(RankWorker):
                 taking.handed.set_result(None)
 
     def _do_release(self, request_id: str) -> None:
+        self._tickets.pop(request_id, None)
         self.loop.submit(lambda e: e.release(request_id))
+
+    def _issue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, offer: PrefillOffer,
+               start: float, item) -> dict | None:
+        """A prefill's output as its result (``{"type": "prefilled"}`` with its ``ticket``, or the ``chunk`` that
+        ends the request here); None for a partial prefill's output (the prompt is not computed yet). A ticket's
+        holds go to the KV managers right after it (a READ that overtakes its hold waits for it)."""
+        if isinstance(item, RequestOutput):
+            return None
+        if not isinstance(item, tuple):
+            return {"type": "prefilled", "chunk": _wire(item)}      # an error: the engine loop freed the pages
+        chunk, handed = _wire(item)
+        if handed is None:        # the request ends here; its one output carries all of it
+            self._do_release(request_id)
+            return {"type": "prefilled", "chunk": chunk}
+        ticket = offer.issue(request_id, prompt_token_ids, params, chunk, handed, time.perf_counter() - start)
+        self._tickets[request_id] = ticket
+        asyncio.get_running_loop().call_soon(send_holds, self._readers, ticket, context=contextvars.Context())
+        return {"type": "prefilled", "ticket": ticket}
 
     def _do_stand_by(self, request_id: str, params: SamplingParams, attempt: Callable[[LLMEngine], Any],
                      draft_context: bool, ticket_timeout_s: float, reserve_timeout_s: float,
@@ -734,14 +720,18 @@ class EngineClient:
 
     async def start(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                     hold_pages: bool = False, on_finish: Callable[[LLMEngine, RequestOutput], Any] | None = None,
-                    sink: SinkAddress | None = None) -> dict | None:
+                    sink: SinkAddress | None = None, offer: PrefillOffer | None = None,
+                    ticket_params: SamplingParams | None = None) -> dict | None:
         """Add the request (its stream must be open); None, or the error chunk that refused it (bad input: 400;
         the engine stopped: 503). ``on_finish`` runs on the engine thread as the finished output is handed over
         (``EngineLoop.open_stream``): module-level, it travels by reference. With ``sink`` (on this node) the
-        host sends the request's chunks there, and its stream here gets only ``ended_chunk`` or an error."""
+        host sends the request's chunks there, and its stream here gets only ``ended_chunk`` or an error. With
+        ``offer`` (a prefill, ``on_finish`` being ``actors.ticket.handover``) the host issues the request's ticket
+        (for ``ticket_params``, the request's own) and sends its result as one ``{"type": "prefilled"}`` item."""
         try:
             return await asyncio.wrap_future(self._command("start", request_id, list(prompt_token_ids), params,
-                                                           hold_pages, on_finish, sink, reply=True))
+                                                           hold_pages, on_finish, sink, offer, ticket_params,
+                                                           reply=True))
         except EngineStopped as e:
             return error_from(e)
 

@@ -13,22 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextvars
 import dataclasses
 import functools
 import gc
 import logging
 import threading
-import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 
-from actors.channel import ActorLink
 from actors.chunks import Batcher, error_chunk
-from actors.engine_host import Handoff, PrefillPages
 from actors.engine_loop import EngineStopped
 from actors.logs import configure_actor_logging
 from actors.sink import SinkAddress
+from actors.ticket import PrefillOffer, Ticket, handover
 from actors.worker import HEALTH_PING_TIMEOUT_S, RankGroup, RankProblem, freeze_heap
 from engine.llm import EngineConfig
 from engine.llm_engine import LLMEngine, RequestOutput
@@ -37,77 +33,6 @@ from engine.sequence import SamplingParams, SpecStats, TokenLogprob
 log = logging.getLogger(__name__)
 # Consecutive failed health checks after which Serve stops a replica (its REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD).
 UNHEALTHY_CHECKS = 3
-
-@dataclasses.dataclass(frozen=True)
-class Ticket:
-    """What a decode replica needs to take over a prefilled request (plain data and actor handles)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    first_token: int
-    tables: list[list[int]]        # per space: the prefill pages of the prompt (the same ids on every rank)
-    leases: list[str]              # per prefill rank: the lease its KV manager holds the pages under
-    peer_agents: list[str]         # per prefill rank: its NIXL agent, also its KVManagerActor's name
-    rank_infos: list[str]          # per prefill rank: its RankInfo JSON
-    first_text: str | None = None  # the first token's text as the decode side will emit it (None: not sent early)
-    num_cached_tokens: int = 0     # prompt tokens the prefill took from its prefix cache
-    prefill_s: float = 0.0
-    first_logprob: TokenLogprob | None = None    # the first token's entry, when params.logprobs is set
-    timing: dict | None = None     # the prefill engine's RequestTiming (its queue and prefill times)
-    hold_s: float = 30.0           # how long the prefill ranks hold the pages unread (``renew`` restarts it)
-
-    def first_chunk(self) -> dict:
-        """The first token as a chunk, sent while the KV moves (only when ``first_text`` is not None)."""
-        chunk = {"type": "tokens", "token_ids": [self.first_token], "text": self.first_text, "finished": False,
-                 "finish_reason": None, "num_cached_tokens": self.num_cached_tokens}
-        if self.first_logprob is not None:
-            chunk["logprobs"] = [self.first_logprob]
-        return chunk
-
-    def with_prefill_timing(self, chunk: dict) -> dict:
-        """The decode side's finishing chunk with the request's queue and prefill times from the prefill engine
-        (the decode engine's own queue is the wait for pages and their READ, which the transfer stats report)."""
-        if chunk.get("timing") is None or self.timing is None:
-            return chunk
-        return {**chunk, "timing": {**chunk["timing"], "queue_s": self.timing["queue_s"],
-                                    "prefill_s": self.timing["prefill_s"]}}
-
-    def after_first(self, chunk: dict) -> dict:
-        """The decode side's first chunk without the first token already sent by ``first_chunk``."""
-        if chunk["token_ids"][:1] != [self.first_token] or not chunk["text"].startswith(self.first_text):
-            raise RuntimeError(f"request {self.request_id}: the decode side's first output "
-                               f"({chunk['token_ids'][:1]}, {chunk['text'][:16]!r}) differs from the prefill's "
-                               f"({self.first_token}, {self.first_text!r})")
-        rest = {**chunk, "token_ids": chunk["token_ids"][1:], "text": chunk["text"][len(self.first_text):],
-                "num_cached_tokens": self.num_cached_tokens}
-        if "logprobs" in chunk:
-            rest["logprobs"] = chunk["logprobs"][1:]
-        return rest
-
-    def pages(self) -> PrefillPages:
-        """What the decode side's engine process needs to READ the prompt's pages or give them back."""
-        return PrefillPages(self.request_id, self.tables, self.leases, self.peer_agents)
-
-    def handoff(self) -> Handoff:
-        """What a decode take-over standing by for this request needs from its ticket."""
-        return Handoff(self.pages(), self.first_token, self.first_logprob, list(self.rank_infos))
-
-    def cancel(self) -> None:
-        """Give the held pages back now (the request will not be decoded). Safe to call from a request that
-        is being cancelled."""
-        self.pages().cancel()
-
-    async def keep_held(self) -> None:
-        """While the request waits for its READ (its decode call queued behind others, or its decode replica waiting
-        for pages), restart its holds' timers every third of their timeout, so that a request that is alive is not
-        failed by its hold expiring; the caller cancels this once the decode side's first chunk has come (the READ
-        has ended) or the request has ended. Returns when a hold is gone (its READ will fail and say so)."""
-        while True:
-            await asyncio.sleep(self.hold_s / 3)
-            if not all(await self.pages().renew()):
-                return
-
 
 class EngineReplica:
     """What every role shares: the rank group, chunk streams, and inspection."""
@@ -206,10 +131,11 @@ class EngineReplica:
                 while not queue.empty():
                     items.append(queue.get_nowait())
                 for item in items:
-                    # "ended": its chunks went straight to the caller's sink, the last too
-                    finished = item["type"] == "ended" or batch.add(item)
-                    if finished:
+                    if item["type"] == "ended":     # its chunks went straight to the caller's sink, the last too
+                        batch.finished = True
+                    if batch.finished or batch.add(item):
                         break
+                finished = batch.finished
                 chunk = batch.take()
                 if chunk is None:
                     continue
@@ -262,22 +188,6 @@ def in_use(e: ValueError) -> dict:
     return error_chunk(400, str(e), "invalid_request_error")
 
 
-def _handover(request_id: str, prompt_token_ids: list[int], params: SamplingParams, num_pages: int,
-              e: LLMEngine, out: RequestOutput):
-    """On the prefill engine's thread as the finished output is handed over: what a ticket needs from the engine
-    (the pages' tables, the first token's text), or None when the request ends here."""
-    # Only the max_tokens=1 of this side stops a request that goes on to decode.
-    if out.finish_reason != "length" or params.max_tokens == 1:
-        return None
-    try:
-        e.sync_ranks()      # ranks > 0 have written their draft layers too before anyone READs them
-        return ([e.kv.block_table(request_id, s)[:num_pages] for s in range(len(e.kv.pools))],
-                e.first_text_delta(prompt_token_ids, params, out.token_ids[0]))
-    except Exception:
-        e.release(request_id)        # its stream gets the error: nothing is held for it
-        raise
-
-
 class PrefillReplica(EngineReplica):
     """Runs whole prompts to their first token and holds the pages under a lease until a decode peer READs
     them, the lease is cancelled, or it expires."""
@@ -289,7 +199,8 @@ class PrefillReplica(EngineReplica):
         super().__init__(config, **kwargs)
         self._releases: collections.Counter[str] = collections.Counter()    # request id -> ranks whose lease ended
         self._counting = threading.Lock()
-        self._holders = [ActorLink(kvm) for kvm in self.group.kv_managers]     # the holds go over their channels
+        self.offer = PrefillOffer([self.group.agent_name(i) for i in range(len(self.group.kv_managers))],
+                                  list(self.group.rank_infos), self.hold_timeout_s)
         for i, kvm in enumerate(self.group.kv_managers):
             threading.Thread(target=self._release_loop, args=(kvm,), daemon=True, name=f"release-{i}").start()
 
@@ -315,10 +226,12 @@ class PrefillReplica(EngineReplica):
             del self._releases[request_id]
         self.engine.release(request_id)
 
-    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> dict:
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      sink: SinkAddress | None = None) -> dict:
         """``{"ticket": Ticket}`` to continue on a decode replica, or ``{"chunk": ...}`` when the request
-        ends here (its first token ends it, or it failed)."""
-        start = time.perf_counter()
+        ends here (its first token ends it, or it failed). The engine's process issues the ticket and sends the
+        holds (``EngineHost._issue``); with a ``sink`` on this node it sends the result there, and this returns
+        ``{"sent": True}`` once it went."""
         num_pages = -(-len(prompt_token_ids) // self.engine.page_size)
         try:
             queue = self.engine.open_stream(request_id)
@@ -328,49 +241,29 @@ class PrefillReplica(EngineReplica):
         try:
             refused = await self.engine.start(
                 request_id, prompt_token_ids, dataclasses.replace(params, max_tokens=1), hold_pages=True,
-                on_finish=functools.partial(_handover, request_id, list(prompt_token_ids), params, num_pages))
+                on_finish=functools.partial(handover, request_id, list(prompt_token_ids), params, num_pages),
+                sink=self._local(sink), offer=self.offer, ticket_params=params)
             if refused is not None:
                 settled = True
                 return {"chunk": refused}
             item = await queue.get()
-            while isinstance(item, dict) and item["type"] == "tokens":
-                item = await queue.get()       # a partial prefill chunk: the prompt is not computed yet
-            if isinstance(item, dict):         # an error chunk: the engine loop (or the failed hand-over) freed it
-                settled = True
-                return {"chunk": item}
-            chunk, handed = item
-            if handed is None:        # the request ends here; its one output carries all of it
-                self.engine.release(request_id)
-                settled = True
-                return {"chunk": chunk}
-            tables, first_text = handed
-            leases = [f"{request_id}#{uuid.uuid4().hex[:8]}" for _ in self.group.kv_managers]
-            ticket = Ticket(request_id, list(prompt_token_ids), params, chunk["token_ids"][0], tables, leases,
-                            [self.group.agent_name(i) for i in range(len(leases))], list(self.group.rank_infos),
-                            first_text, chunk["num_cached_tokens"], time.perf_counter() - start,
-                            chunk["logprobs"][0] if chunk.get("logprobs") else None, chunk.get("timing"),
-                            self.hold_timeout_s)
-            # The holds are sent right after the ticket goes out, not before it and not awaited: a READ that
-            # overtakes its hold waits for it (or a cancel frees the pages when the hold arrives).
-            asyncio.get_running_loop().call_soon(self._hold, request_id, leases, context=contextvars.Context())
             settled = True
-            return {"ticket": ticket}
+            if item["type"] == "ended":
+                return {"sent": True}
+            if item["type"] == "prefilled":
+                return {key: item[key] for key in ("ticket", "chunk") if key in item}
+            return {"chunk": item}      # an error chunk: the engine's process failed
         finally:
             self.engine.close_stream(request_id)
             if not settled:
                 self.engine.abort(request_id)
 
-    async def prefill_stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-                             ) -> AsyncIterator[dict]:
+    async def prefill_stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                             sink: SinkAddress | None = None) -> AsyncIterator[dict]:
         """``prefill``'s result as a stream of one item: Serve delivers a streamed item to the calling deployment
         sooner than a unary reply (0.96-1.02 against 1.32-1.48 ms a round trip on a CPU host, side by side in one
         run of Serve's throughput mode), and the ingress waits for this one before the first token goes out."""
-        yield await self.prefill(request_id, prompt_token_ids, params)
-
-    def _hold(self, request_id: str, leases: list[str]) -> None:
-        for link, lease in zip(self._holders, leases):
-            link.send("hold", request_id, lease, self.hold_timeout_s)
-            link.warm()
+        yield await self.prefill(request_id, prompt_token_ids, params, sink)
 
 
 def _reserve(request_id: str, prompt_token_ids: list[int], params: SamplingParams, num_pages: int,

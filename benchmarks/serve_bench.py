@@ -285,9 +285,9 @@ def main() -> int:
             for name in names:
                 url = f"http://127.0.0.1:{port}/{name}"
                 summaries.append(measured_run(url, _bench_args(url, name, concurrency, args)))
-        suffix = "" if "on" in args.direct_chunks else "-relay"
-        pairs = paired({name: f"http://127.0.0.1:{port}/{name}{suffix}" for name in ("agg", "disagg")}, args) \
-            if args.paired else None
+        pairs = {direct: paired({name: f"http://127.0.0.1:{port}/{name}{'' if direct == 'on' else '-relay'}"
+                                 for name in ("agg", "disagg")}, args)
+                 for direct in dict.fromkeys(args.direct_chunks)} if args.paired else {}
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -303,8 +303,8 @@ def main() -> int:
     for direct in dict.fromkeys(args.direct_chunks):
         suffix = "" if direct == "on" else "-relay"
         print(f"direct_chunks {direct}:\n{_ratios(summaries, offline, suffix)}")
-    if pairs:
-        print(format_paired(pairs))
+    for direct, pair_stats in pairs.items():
+        print(f"direct_chunks {direct}: {format_paired(pair_stats)}")
     print("| offline | conc | req/s | out tok/s | E2E p50 (batch) ms | AL |\n|---|---|---|---|---|---|")
     for o in offline:
         al = o["mean_acceptance_length"]

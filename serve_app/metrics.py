@@ -175,7 +175,8 @@ class ServiceMetrics:
         self.decode_time = Histogram("dflash_request_decode_time_seconds", "Time from a request's first token to "
                                      "its end", m, buckets=E2E_BUCKETS, registry=r)
         # path: "sink" (sent by an engine's process straight to this ingress), "replica" (relayed by a Serve stream)
-        self.stream_chunks = Counter("dflash_stream_chunks", "Token chunks this ingress received from the engines",
+        self.stream_chunks = Counter("dflash_stream_chunks", "Token chunks (and prefill results) this ingress "
+                                     "received from the engines",
                                      m + ["path"], registry=r)
         # transport: "nixl" (READs), "ipc" (copies from a mapping of prefill pools on the same GPU)
         self.transfers = Counter("dflash_kv_transfers", "Prefill-to-decode KV transfers", m + ["transport"],

@@ -35,7 +35,8 @@ class Router:
         # (``actors.sink``), a step's at a time, and the replicas' streams carry only refusals and failures.
         self.sink = sink
         self.stream_interval = stream_interval
-        self.on_chunk = on_chunk or (lambda path: None)     # called with "sink" or "replica" per token chunk
+        # Called with "sink" or "replica" per token chunk (and per prefill result) that came here.
+        self.on_chunk = on_chunk or (lambda path: None)
         # Called with the decode's transfer stats (and ``handoff_s``: from the prefill's result here to the decode
         # side's first output here), or None on failure.
         self.on_transfer = on_transfer
@@ -71,8 +72,9 @@ class Router:
         # disconnect: the prefill call is cancelled then, and its replica aborts the request and frees its pages. The
         # decode call is made apart from the request (Serve would cancel it with the request, and can lose a cancel that
         # comes before the call has started): this generator ends it itself.
-        prefill = _only_item(self.backends["prefill"].options(stream=True).prefill_stream.remote(
-            request_id, prompt_token_ids, params))
+        prefill = self.backends["prefill"].options(stream=True).prefill_stream.remote(request_id, prompt_token_ids,
+                                                                                      params, sink)
+        prefill = _only_item(prefill) if sink is None else self._prefilled(request_id, prefill, queue)
         decode = _StandBy(self, request_id, contextvars.Context().run(
             self.backends["decode"].options(stream=True).stand_by.remote, request_id, prompt_token_ids, params, sink))
         ticket, completed, keep = None, False, None
@@ -164,6 +166,35 @@ class Router:
             else:
                 pump.cancel()
                 gen.cancel()
+
+    async def _prefilled(self, request_id: str, gen, queue: asyncio.Queue) -> dict:
+        """The prefill's result (``{"ticket": ...}`` or ``{"chunk": ...}``) from the sink, where the prefill engine's
+        process sends it, or from the replica's stream ``gen`` (relayed, a refusal or a failure; ``{"sent": True}``
+        once the sink's went). Cancelled while it waits (a disconnect), the prefill call is cancelled too. The sink's
+        queue goes on to carry the decode side's chunks."""
+        replied = asyncio.ensure_future(_only_item(gen))
+        sent = asyncio.ensure_future(queue.get())
+        try:
+            await asyncio.wait((replied, sent), return_when=asyncio.FIRST_COMPLETED)
+            if not sent.done():
+                result = replied.result()       # raises if the call failed
+                if not result.get("sent"):
+                    self.on_chunk("replica")
+                    return result
+                try:
+                    await asyncio.wait_for(asyncio.shield(sent), LAST_CHUNK_S)
+                except asyncio.TimeoutError:
+                    return {"chunk": error_chunk(502, f"request {request_id}: its prefill's result did not come",
+                                                 "server_error")}
+            self.on_chunk("sink")
+            return {key: value for key, value in sent.result().items() if key in ("ticket", "chunk")}
+        finally:
+            sent.cancel()
+            if not replied.done():      # the result came by the sink: the call ends by itself (or was cancelled)
+                if asyncio.current_task().cancelling():
+                    replied.cancel()
+                else:
+                    self._keep(replied)
 
     async def _relayed(self, gen) -> AsyncIterator[dict]:
         """``_cancel_on_exit(gen)``, counted."""

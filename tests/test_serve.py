@@ -382,9 +382,10 @@ def test_metrics_parse_and_counters_move_by_the_request(server, client):
     assert delta("dflash_prompt_tokens_total") == 7
     assert delta("dflash_generation_tokens_total") == 10
     assert delta("dflash_request_success_total", finished_reason="length") == 1
-    # The decode engine's process sent the token chunks straight to the ingress (one per step at most, of 10 tokens:
-    # its first output repeats the prefill's token); none came through the decode replica's Serve stream.
-    assert 1 <= delta("dflash_stream_chunks_total", path="sink") <= 10
+    # The prefill engine's process sent its result (the ticket) and the decode engine's process the token chunks (one
+    # per step at most, of 10 tokens: its first output repeats the prefill's token) straight to the ingress; none
+    # came through a replica's Serve stream.
+    assert 2 <= delta("dflash_stream_chunks_total", path="sink") <= 11
     assert delta("dflash_stream_chunks_total", path="replica") == 0
     assert delta("dflash_time_to_first_token_seconds_count") == 1
     assert delta("dflash_e2e_request_latency_seconds_count") == 1

@@ -133,3 +133,37 @@ def test_a_sink_reads_only_connections_that_present_its_key(ray_cluster):
 
     closed_unread, got, left, delivered = asyncio.run(run())
     assert closed_unread and got == chunk and left == 0 and delivered == 1
+
+
+@pytest.fixture(scope="module")
+def prefill_replica(ray_cluster, tiny_target):
+    from actors.replica import PrefillReplica
+
+    r = PrefillReplica(EngineConfig(model=str(tiny_target), page_size=16, num_pages=64))
+    yield r
+    r.shutdown()
+
+
+def test_a_prefill_sends_its_ticket_to_the_sink_and_holds_its_pages_until_the_lease_ends(prefill_replica):
+    """The prefill engine's process issues the ticket (as it does for a relayed one), sends it to the sink and the
+    holds to its KV manager: ending the leases frees the pages, which they would not without a hold."""
+    async def run():
+        sink = ChunkSink("prefill")
+        where = await sink.address()
+        relayed = await prefill_replica.prefill("relayed", PROMPT, PARAMS)
+        queue = sink.open("direct")
+        reply = await prefill_replica.prefill("direct", PROMPT, PARAMS, where)
+        direct = await asyncio.wait_for(queue.get(), 30)
+        sink.shutdown()
+        return relayed, reply, direct
+
+    relayed, reply, direct = asyncio.run(run())
+    assert reply == {"sent": True} and direct["type"] == "prefilled"
+    a, b = relayed["ticket"], direct["ticket"]
+    assert (b.request_id, b.first_token, b.first_text, b.prompt_token_ids) == ("direct", a.first_token, a.first_text,
+                                                                                 PROMPT)
+    assert b.peer_agents == a.peer_agents and b.leases != a.leases and b.params == PARAMS
+    assert ray.get(prefill_replica.group.host.pages_in_use.remote()) > 0
+    a.cancel()
+    b.cancel()
+    assert _pages_free(prefill_replica) == 0
