@@ -236,12 +236,12 @@ def transports(url: str) -> dict[str, float]:
 
 
 def throughput(urls: dict[str, str], concurrencies: list[int], repeats: int, output_len: int,
-               client_processes: int = 1) -> list[dict]:
+               client_processes: int = 1, min_requests: int = 16) -> list[dict]:
     from benchmarks.serve_bench import _bench_args, measured_run
     from serve_app.bench import bench
 
     ns = argparse.Namespace(prompt_file=str(REPO / "benchmarks" / "prompts" / "heldout.jsonl"), input_len=64,
-                            output_len=output_len, min_requests=16, client_processes=client_processes)
+                            output_len=output_len, min_requests=min_requests, client_processes=client_processes)
     for concurrency in concurrencies:          # warm-up, not counted: kernels compile for new batch shapes
         for name in ("agg", "disagg"):
             bench(_bench_args(urls[name], f"{name}-warm-up", concurrency, ns))
@@ -269,7 +269,7 @@ def offline(args, concurrencies: list[int], repeats: int, output_len: int, dtype
                    max_num_seqs=model["max_num_seqs"], cuda_graphs=cuda_graphs)
     llm, decode_only = engine("auto"), engine("decode")
     ns = argparse.Namespace(prompt_file=str(REPO / "benchmarks" / "prompts" / "heldout.jsonl"), input_len=64,
-                            output_len=output_len, min_requests=16)
+                            output_len=output_len, min_requests=getattr(args, "min_requests", 16))
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     rows = []
     for _repeat, concurrency in [(r, c) for r in range(repeats) for c in concurrencies]:
@@ -349,6 +349,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=40)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--min-requests", type=int, default=16,
+                   help="throughput: requests per run at least (else 2 per stream), HTTP and offline alike")
     p.add_argument("--ingress-replicas", type=int, nargs="+", default=None, metavar="N",
                    help="throughput: with this many ingress replicas, each in turn (default: the config's)")
     p.add_argument("--stream-interval", type=int, nargs="+", default=None, metavar="K",
@@ -361,7 +363,8 @@ def main() -> int:
     p.add_argument("--out", default="out/gpu_service")
     p.add_argument("--serve-mode", choices=["throughput", "default"], default="throughput",
                    help="as in benchmarks/serve_bench.py")
-    p.add_argument("--client-processes", type=int, default=1, help="load client processes per run")
+    p.add_argument("--client-processes", type=int, nargs="+", default=None, metavar="N",
+                   help="throughput: load client processes per run, each in turn (default 1)")
     p.add_argument("--paired", type=int, default=24, metavar="N",
                    help="throughput: after the load runs, N fresh prompts one at a time to each app in turn "
                         "(as in benchmarks/serve_bench.py; 0: none)")
@@ -380,9 +383,11 @@ def main() -> int:
     gpu = args.device.startswith("cuda")
     # Throughput variants: every combination of the settings given (none: the config's).
     variants = [{**({} if i is None else {"ingress_replicas": i}), **({} if k is None else {"stream_interval": k}),
-                 **({} if g is None else {"cuda_graphs": g}), **({} if d is None else {"direct_chunks": d == "on"})}
+                 **({} if g is None else {"cuda_graphs": g}), **({} if d is None else {"direct_chunks": d == "on"}),
+                 **({} if c is None else {"client_processes": c})}
                 for i in args.ingress_replicas or [None] for k in args.stream_interval or [None]
-                for g in args.cuda_graphs or [None] for d in args.direct_chunks or [None]]
+                for g in args.cuda_graphs or [None] for d in args.direct_chunks or [None]
+                for c in args.client_processes or [None]]
     if gpu and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no GPU visible")
     out = Path(args.out)
@@ -415,7 +420,7 @@ def main() -> int:
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             for dtype in args.dtypes:
                 # One GPU, five engine replicas: 0.2 each (a disaggregated replica's KV manager takes 0.1 of it).
-                first = variants[0]
+                first = {k: v for k, v in variants[0].items() if k != "client_processes"}
                 apps = {"agg": app_args("aggregated", dtype, args.device, 0.2, **first),
                         "disagg": app_args("disaggregated", dtype, args.device, 0.2, **first),
                         "ablate": app_args("disaggregated", dtype, args.device, 0.2, transfer_draft_kv=False)}
@@ -430,9 +435,11 @@ def main() -> int:
                         if n:        # the same applications again, with this variant's settings
                             for name in ("agg", "disagg"):
                                 serve.delete(name)
-                            urls = deploy({name: app_args(apps[name]["mode"], dtype, args.device, 0.2, **variant)
+                            settings = {k: v for k, v in variant.items() if k != "client_processes"}
+                            urls = deploy({name: app_args(apps[name]["mode"], dtype, args.device, 0.2, **settings)
                                            for name in ("agg", "disagg")}, port)
-                        batch = throughput(urls, args.concurrency, args.repeats, 64, args.client_processes)
+                        batch = throughput(urls, args.concurrency, args.repeats, 64, variant.get("client_processes", 1),
+                                           args.min_requests)
                         for summary in batch:
                             summary["variant"] = variant
                         summaries += batch
