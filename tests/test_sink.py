@@ -167,3 +167,31 @@ def test_a_prefill_sends_its_ticket_to_the_sink_and_holds_its_pages_until_the_le
     a.cancel()
     b.cancel()
     assert _pages_free(prefill_replica) == 0
+
+
+def test_stream_interval_holds_on_the_sink_path(ray_cluster, tmp_path):
+    """Through HTTP, where the chunks come by the ingress's sink and the router batches them: with ``stream_interval``
+    4 the first token goes alone, then an event every 4 engine steps at most (the last at once)."""
+    import json
+
+    import httpx
+
+    from tests.test_serve_support import metric_samples, metric_sum, tiny_service
+
+    body = {"model": "tiny", "prompt": [3, 4, 5, 6], "max_tokens": 32, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    with tiny_service(tmp_path, mode="aggregated", stream_interval=4) as url:
+        events = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[len("data: "):]))
+        by_sink = metric_sum(metric_samples(httpx.get(f"{url}/metrics", timeout=30).text),
+                             "dflash_stream_chunks_total", path="sink")
+    carrying = [e["choices"][0]["token_ids"] for e in events if e["choices"] and e["choices"][0].get("token_ids")]
+    usage = events[-1]["usage"]
+    steps = len(usage["spec_decode"]["acceptance_lengths"][0])     # engine steps after the first token's
+    assert usage["completion_tokens"] == sum(map(len, carrying)) == 32 and steps >= 8
+    assert len(carrying[0]) == 1
+    assert 2 <= len(carrying) <= 2 + -(-steps // 4)
+    assert by_sink >= len(carrying)
