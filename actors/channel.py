@@ -66,15 +66,20 @@ def listening_socket(name: str) -> tuple[socket.socket, str]:
     return listener, address
 
 
-async def open_local(address: str, key: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A connection to the local socket at ``address`` (abstract), ``key`` sent first. OSError if unreachable."""
+def connect_local(address: str) -> socket.socket:
+    """A connected socket to the local socket at ``address`` (abstract). OSError if unreachable."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(address)       # local: at once (asyncio's connect refuses abstract addresses)
     except OSError:
         sock.close()
         raise
-    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    return sock
+
+
+async def open_local(address: str, key: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to the local socket at ``address`` (abstract), ``key`` sent first. OSError if unreachable."""
+    reader, writer = await asyncio.open_unix_connection(sock=connect_local(address))
     writer.write(frame(key))
     return reader, writer
 

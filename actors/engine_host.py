@@ -42,8 +42,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from actors.channel import (ActorLink, ChannelServer, frame, frame_size, header_size,
-                            listening_socket, open_local, pickled, presents_key, read_frame)
+from actors.channel import (ActorLink, ChannelServer, connect_local, frame, frame_size, header_size,
+                            listening_socket, pickled, presents_key, read_frame)
 from actors.chunks import ended_chunk, ends, error_chunk, error_from, token_chunk
 from actors.engine_loop import EngineStopped, ReservationQueue, hand_over, name_native_thread
 from actors.nixl_transfer import TransferError
@@ -71,14 +71,24 @@ class _Forward:
 
     issue: Callable[[Any], dict | None] | None = None      # a prefill's: its finishing output to its result
 
-    def put_nowait(self, item) -> None:
+    def prepare(self, item):
+        """The item as it goes out: the first output with ``first_extra`` in its chunk."""
         if self.first_extra is not None and isinstance(item, RequestOutput):
             item, self.first_extra = token_chunk(item, **self.first_extra), None
+        return item
+
+    def put_nowait(self, item) -> None:
+        item = self.prepare(item)
         if self.issue is not None:
             item = self.issue(item)
             if item is None:
                 return
         (self.outbox if self.sink is None else self.sink).put_nowait((self.request_id, item))
+
+    @property
+    def direct(self) -> bool:
+        """Whether the engine loop thread may send this stream's items itself (``_SinkLink.send_step``)."""
+        return self.sink is not None and self.issue is None and self.sink.sendable
 
 
 def _ends_here(item) -> bool:
@@ -90,55 +100,104 @@ class _SinkLink:
     """The host's connection to one ``actors.sink.ChunkSink``: the chunks of the requests that name it, one frame
     per batch (a step's). The replica's stream of each such request gets ``ended_chunk`` once its last chunk went.
     A sink this process cannot reach has the replica relay its chunks instead (``relay``, the replica's outbox); a
-    sink that goes away (its ingress ended) has its requests aborted (``abort``)."""
+    sink that goes away (its ingress ended) has its requests aborted (``abort``).
+
+    The engine loop thread sends a step's frame itself (``send_step``), with one non-blocking ``send``, so a step's
+    chunks wake no event loop here: a second thread taking the interpreter lock between the engine's calls every
+    step slowed a step by up to a third on a GPU host (``benchmarks/host_contention.py``). What the socket does not
+    take at once, and what comes before the connection is open, goes through the event loop (``_run``) in order:
+    while any of that is pending the loop thread queues behind it."""
 
     def __init__(self, address: SinkAddress, relay: asyncio.Queue, abort: Callable[[str], None]):
         self.address, self.relay, self.abort = address, relay, abort
         self.requests: set[str] = set()     # requests whose chunks come here, until their last went
-        self._queue: asyncio.Queue | None = asyncio.Queue()     # None: relayed
+        self.relayed = False      # the sink could not be reached: the replica relays
         self.broken = False
-        self._task = asyncio.get_running_loop().create_task(self._send(), context=contextvars.Context())
+        self.frames_sent_by_loop_thread = 0      # (inspection)
+        self._queue: asyncio.Queue = asyncio.Queue()     # pairs lists and bytes, in order, for ``_run``
+        self._sock: socket.socket | None = None     # open, key sent: the loop thread may send on it
+        self._pending = 0         # items in ``_queue`` (or on their way to it) not yet sent
+        self._lock = threading.Lock()        # ``_sock`` and ``_pending``, between the two threads
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._run(), context=contextvars.Context())
+
+    @property
+    def sendable(self) -> bool:
+        return not self.relayed and not self.broken
 
     def track(self, request_id: str) -> None:
-        if self._queue is not None:
+        if not self.relayed:
             self.requests.add(request_id)
 
+    # --- the event loop's side ------------------------------------------------------------------------------
     def put_nowait(self, pair: tuple[str, Any]) -> None:
-        if self.broken:       # its request was aborted: nobody reads it
-            return
-        (self.relay if self._queue is None else self._queue).put_nowait(pair)
+        with self._lock:
+            self._pending += 1
+        self._enqueue([pair])
 
-    async def _send(self) -> None:
+    def _enqueue(self, item: list | bytes) -> None:
+        if self.broken:       # its requests were aborted: nobody reads them
+            return
+        if self.relayed:
+            for pair in item:       # (bytes only come once the connection is open: never here)
+                self.relay.put_nowait(pair)
+            with self._lock:
+                self._pending -= 1
+            return
+        self._queue.put_nowait(item)
+
+    def _ended(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            if request_id in self.requests:
+                self.requests.discard(request_id)
+                self.relay.put_nowait((request_id, ended_chunk()))
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         try:
-            reader, writer = await open_local(self.address.address, self.address.key)
+            sock = connect_local(self.address.address)
+            sock.setblocking(False)
+            await loop.sock_sendall(sock, frame(self.address.key))
         except OSError as e:
             log.warning("cannot reach chunk sink %s (%s): the replica relays its requests' chunks", self.address.name,
                         e)
-            queue, self._queue = self._queue, None
+            self.relayed = True
             self.requests.clear()
-            while not queue.empty():
-                self.relay.put_nowait(queue.get_nowait())
+            while not self._queue.empty():
+                self._enqueue(self._queue.get_nowait())
             return
+        with self._lock:
+            self._sock = sock
         sending = asyncio.current_task()
-        watch = asyncio.ensure_future(reader.read())      # the sink sends nothing: this ends when it goes away
+        watch = asyncio.ensure_future(loop.sock_recv(sock, 1))     # the sink sends nothing: ends when it goes away
         watch.add_done_callback(lambda _: sending.cancel())
         try:
             while True:
-                pairs = [await self._queue.get()]
+                items = [await self._queue.get()]
                 while not self._queue.empty():
-                    pairs.append(self._queue.get_nowait())
-                writer.write(pickled(("out", [(request_id, _wire(item)) for request_id, item in pairs])))
-                for request_id, item in pairs:
-                    if _ends_here(item) and request_id in self.requests:
-                        self.requests.discard(request_id)
-                        self.relay.put_nowait((request_id, ended_chunk()))
-                await writer.drain()
+                    items.append(self._queue.get_nowait())
+                # In order: the rest of a frame the loop thread began (bytes), and pairs (consecutive ones as one
+                # frame).
+                pairs: list[tuple[str, Any]] = []
+                for item in items + [b""]:
+                    if isinstance(item, bytes):
+                        if pairs:
+                            await loop.sock_sendall(sock, pickled(("out", [(r, _wire(i)) for r, i in pairs])))
+                            self._ended([r for r, i in pairs if _ends_here(i)])
+                            pairs = []
+                        if item:
+                            await loop.sock_sendall(sock, item)
+                    else:
+                        pairs += item
+                with self._lock:
+                    self._pending -= len(items)
         except (asyncio.CancelledError, ConnectionError, OSError):
             pass
         finally:
             watch.cancel()
-            writer.close()
-            self.broken = True
+            with self._lock:      # the loop thread never sends on a closed (maybe reused) descriptor
+                self._sock, self.broken = None, True
+            sock.close()
             if self.requests:
                 log.warning("chunk sink %s went away: aborting its %d request(s)", self.address.name,
                             len(self.requests))
@@ -147,6 +206,34 @@ class _SinkLink:
                 self.relay.put_nowait((request_id, error_chunk(499, "the ingress streaming this request went away",
                                                                "aborted")))
             self.requests.clear()
+
+    # --- the engine loop thread's side ----------------------------------------------------------------------
+    def send_step(self, pairs: list[tuple[str, Any]]) -> None:
+        """A step's ``(request_id, item)`` pairs for this sink, from the loop thread: sent now when nothing is
+        pending, else queued behind what is."""
+        data = pickled(("out", [(request_id, _wire(item)) for request_id, item in pairs]))
+        sent = None
+        with self._lock:
+            if self._sock is not None and not self._pending:
+                try:
+                    sent = self._sock.send(data)
+                except BlockingIOError:
+                    sent = 0
+                except OSError:       # the sink went away: ``_run`` ends the link and aborts its requests
+                    return
+                if sent < len(data):
+                    self._pending += 1
+            else:
+                self._pending += 1
+        if sent is None:
+            self._loop.call_soon_threadsafe(self._enqueue, pairs)
+            return
+        self.frames_sent_by_loop_thread += 1
+        if sent < len(data):
+            self._loop.call_soon_threadsafe(self._enqueue, data[sent:])
+        ended = [request_id for request_id, item in pairs if _ends_here(item)]
+        if ended:
+            self._loop.call_soon_threadsafe(self._ended, ended)
 
 
 @dataclasses.dataclass
@@ -196,6 +283,7 @@ class EngineHost(RankWorker):
         self._sinks: dict[str, _SinkLink] = {}     # by sink name: where requests that name one send their chunks
         self._tickets: dict[str, Ticket] = {}      # prefills issued here, until their pages are released
         self._reservations = ReservationQueue(self.loop)
+        self.loop.direct = self._direct
         self._taking: dict[str, _TakeOver] = {}
         self._stand_bys = 0      # take-overs ever begun (inspection)
         self._key = secrets.token_bytes(32)
@@ -293,6 +381,29 @@ class EngineHost(RankWorker):
     def _open(self, request_id: str, on_finish=None, sink: SinkAddress | None = None) -> _Forward:
         return self.loop.open_stream(request_id, on_finish,
                                      queue=_Forward(request_id, self._outbox, sink and self._sink(sink)))
+
+    @staticmethod
+    def _direct(prepared: list[tuple[str, Any]], streams: dict) -> list[tuple[str, Any]]:
+        """``EngineLoop.direct``, on the loop thread: the step's items of requests streaming to a sink that can take
+        them go as one frame per sink (``_SinkLink.send_step``); the rest (no sink, a prefill's result, an error)
+        are returned for the event loop. A closed stream's items are dropped (its request was aborted)."""
+        batches: dict[_SinkLink, list[tuple[str, Any]]] = {}
+        rest = []
+        for request_id, item in prepared:
+            target = streams.get(request_id)
+            if target is None:
+                continue
+            forward = target[1]
+            if not isinstance(forward, _Forward) or not forward.direct or isinstance(item, BaseException):
+                rest.append((request_id, item))
+                continue
+            if _ends_here(item):
+                streams.pop(request_id, None)
+            if not forward.closed:
+                batches.setdefault(forward.sink, []).append((request_id, forward.prepare(item)))
+        for link, pairs in batches.items():
+            link.send_step(pairs)
+        return rest
 
     def _sink(self, address: SinkAddress) -> _SinkLink:
         """The link to the sink at ``address``, opened on its first request (again if it broke)."""
@@ -572,8 +683,9 @@ class EngineHost(RankWorker):
         return await self.loop.call(lambda _: RankWorker.page_digest(self, tables, owners))
 
     async def gauges(self) -> dict:
-        """Batch sizes and pages in use per pool (with its owners), for the replica's metrics report."""
-        gauges = await self.loop.call(engine_gauges)
+        """Batch sizes, pages in use per pool (with its owners) and the engine loop's time (``LoopStats``), for the
+        replica's metrics report."""
+        gauges = await self.loop.call(lambda e: {**engine_gauges(e), "loop": self.loop.stats.snapshot()})
         gauges["awaiting_transfer"] = len(self._taking)
         gauges["stand_bys"] = self._stand_bys
         return gauges

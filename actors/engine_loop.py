@@ -15,6 +15,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,33 @@ def name_native_thread(name: str) -> None:
         pass
 
 
+class LoopStats:
+    """Where the loop thread's time goes, cumulative since it started: steps by kind (``prompt``: the step computed
+    prompt tokens, ``decode``: only decode rows) with their wall time and the thread's CPU time within them (wall
+    beyond CPU is time off the core: waiting for the GIL or blocked on the device), and the time it sat idle with
+    nothing to run. Written by the loop thread only; ``snapshot`` there too (a command), adding the thread's and the
+    process's whole CPU time."""
+
+    KINDS = ("prompt", "decode")
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.steps = dict.fromkeys(self.KINDS, 0)
+        self.step_s = dict.fromkeys(self.KINDS, 0.0)
+        self.step_cpu_s = dict.fromkeys(self.KINDS, 0.0)
+        self.idle_s = 0.0
+
+    def add_step(self, kind: str, wall_s: float, cpu_s: float) -> None:
+        self.steps[kind] += 1
+        self.step_s[kind] += wall_s
+        self.step_cpu_s[kind] += cpu_s
+
+    def snapshot(self) -> dict:
+        return {"steps": dict(self.steps), "step_s": dict(self.step_s), "step_cpu_s": dict(self.step_cpu_s),
+                "idle_s": self.idle_s, "uptime_s": time.perf_counter() - self.started,
+                "thread_cpu_s": time.thread_time(), "process_cpu_s": time.process_time()}
+
+
 class EngineStopped(RuntimeError):
     """The loop stopped serving (its replica lost a rank, or it shut down): the request cannot run here."""
 
@@ -47,6 +75,10 @@ class EngineLoop:
         self._hooks: list[Callable[[LLMEngine], None]] = []
         self._failure: BaseException | None = None     # set by ``fail``
         self._closing = threading.Lock()       # orders ``submit`` against the loop's final drain
+        self.stats = LoopStats()
+        # Set by the owner: takes the loop thread's prepared ``(request_id, item)`` pairs and the streams first, sends
+        # what it can itself (popping the streams its items end) and returns the rest for the hand-over.
+        self.direct: Callable[[list[tuple[str, Any]], dict], list[tuple[str, Any]]] | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -99,7 +131,8 @@ class EngineLoop:
 
     def deliver(self, items: list[tuple[str, Any]]) -> None:
         """Hand ``(request_id, RequestOutput | exception)`` items to their streams, one wake-up per event loop.
-        Outputs are handed over on the loop thread (``on_finish`` runs here); exceptions from any thread."""
+        Outputs are handed over on the loop thread (``on_finish`` runs here); exceptions from any thread. On the
+        loop thread ``direct`` (if set) takes what it sends itself first: those items wake no event loop."""
         prepared = []
         for request_id, item in items:
             if request_id not in self._streams:
@@ -112,6 +145,8 @@ class EngineLoop:
                     except Exception as e:       # the request's own failure, told to its stream
                         item = e
             prepared.append((request_id, item))
+        if self.direct is not None and prepared and threading.current_thread() is self._thread:
+            prepared = self.direct(prepared, self._streams)
         hand_over(self._streams, prepared, _ends)
 
     @property
@@ -149,7 +184,12 @@ class EngineLoop:
     # --- the loop thread ------------------------------------------------------------------------
     def _run_commands(self, block: bool) -> None:
         try:
-            item = self._commands.get() if block else self._commands.get_nowait()
+            if block:
+                idle_from = time.perf_counter()
+                item = self._commands.get()
+                self.stats.idle_s += time.perf_counter() - idle_from
+            else:
+                item = self._commands.get_nowait()
         except queue.Empty:
             return
         while item is not None:
@@ -180,6 +220,7 @@ class EngineLoop:
             self._run_hooks()
             if self._stop.is_set() or not self.engine.has_unfinished():
                 continue
+            prompt_steps, began, cpu = self.engine.num_prompt_steps, time.perf_counter(), time.thread_time()
             try:
                 outputs = self.engine.step()
             except Exception as e:
@@ -192,6 +233,8 @@ class EngineLoop:
                 self.deliver([(r, e) for r in failed])
                 self._run_hooks()
                 continue
+            self.stats.add_step("prompt" if self.engine.num_prompt_steps != prompt_steps else "decode",
+                                time.perf_counter() - began, time.thread_time() - cpu)
             self.deliver([(out.request_id, out) for out in outputs])
             self._run_hooks()
         with self._closing:       # what was submitted but never ran fails (later submits fail at once)

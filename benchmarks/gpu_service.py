@@ -167,6 +167,7 @@ def app_args(mode: str, dtype: str, device: str, gpu_share: float, **overrides) 
     """The single-GPU config's application args for one deployment of ``mode``, ``gpu_share`` per replica.
     ``dtype``: the weights' dtype, optionally with the target layers' KV dtype after a colon (``bfloat16:fp8``:
     FP8 target KV beside BF16 draft KV in one pool)."""
+    from benchmarks.serve_bench import REPORT_INTERVAL_S
     from serve_app.config import load_config_file
 
     service, _ = load_config_file(CONFIG)
@@ -177,7 +178,7 @@ def app_args(mode: str, dtype: str, device: str, gpu_share: float, **overrides) 
     gpus = gpu_share if device.startswith("cuda") else 0
     for role in ("aggregated", "prefill", "decode"):
         args[role] = {**args.get(role, {}), "num_replicas": 1, "num_cpus": 1, "num_gpus": gpus}
-    args["metrics_report_interval_s"] = 1.0
+    args["metrics_report_interval_s"] = REPORT_INTERVAL_S
     ingresses = overrides.pop("ingress_replicas", None)
     if ingresses is not None:
         args["ingress"] = {**args.get("ingress", {}), "num_replicas": ingresses}
@@ -236,8 +237,11 @@ def transports(url: str) -> dict[str, float]:
 
 
 def throughput(urls: dict[str, str], concurrencies: list[int], repeats: int, output_len: int,
-               client_processes: int = 1, min_requests: int = 16) -> list[dict]:
-    from benchmarks.serve_bench import _bench_args, measured_run
+               client_processes: int = 1, min_requests: int = 16, profiles: list | None = None) -> list[dict]:
+    """Load runs of each application in turn (``repeats`` of each concurrency), after a warm-up; with ``profiles``
+    one more run of each at the highest concurrency with every engine process under cProfile (``ProfiledHosts``),
+    its reports appended there (that run's figures are not among those returned: the profiler slows it)."""
+    from benchmarks.serve_bench import REPORT_INTERVAL_S, _bench_args, measured_run
     from serve_app.bench import bench
 
     ns = argparse.Namespace(prompt_file=str(REPO / "benchmarks" / "prompts" / "heldout.jsonl"), input_len=64,
@@ -248,26 +252,145 @@ def throughput(urls: dict[str, str], concurrencies: list[int], repeats: int, out
     summaries = []
     for _repeat, concurrency in [(r, c) for r in range(repeats) for c in concurrencies]:
         for name in ("agg", "disagg"):
-            summaries.append(measured_run(urls[name], _bench_args(urls[name], name, concurrency, ns)))
+            summaries.append(measured_run(urls[name], _bench_args(urls[name], name, concurrency, ns),
+                                          REPORT_INTERVAL_S))
+    if profiles is not None:
+        for name in ("agg", "disagg"):
+            with ProfiledHosts() as p:
+                bench(_bench_args(urls[name], f"{name}-profiled", max(concurrencies), ns))
+            profiles += [{**r, "label": f"{name}: {r['label']}"} for r in p.reports if r["steps"]]
     return summaries
 
 
-def offline(args, concurrencies: list[int], repeats: int, output_len: int, dtype: str) -> list[dict]:
+def _engine_hosts() -> list:
+    """Every live engine process (rank 0's ``EngineHost`` of each replica)."""
+    import ray
+
+    from actors.worker import KV_MANAGER_NAMESPACE
+
+    return [(a["name"], ray.get_actor(a["name"], namespace=KV_MANAGER_NAMESPACE))
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == KV_MANAGER_NAMESPACE and a["name"].endswith("-rank0-worker")]
+
+
+class ProfiledHosts:
+    """cProfile in every engine process over a stretch of load, enabled on its engine thread (from Python 3.12 on a
+    profile sees every thread of its process: then its event loop's work is there too), with the time its garbage
+    collector ran and its engine loop's steps; ``reports``: the top functions by own time, per step."""
+
+    def __enter__(self):
+        import ray
+
+        self.hosts = _engine_hosts()
+        ray.get([h.__ray_call__.remote(_start_profile) for _, h in self.hosts])
+        return self
+
+    def __exit__(self, *exc):
+        import ray
+
+        self.reports = [{**r, "label": name} for (name, _), r in
+                        zip(self.hosts, ray.get([h.__ray_call__.remote(_stop_profile) for _, h in self.hosts]))]
+        return False
+
+
+def profiled_closed_loop(llm, prompts, params, concurrency: int) -> dict:
+    """``closed_loop`` (staggered) under cProfile in this process: the offline engine's report, as the hosts'."""
+    import cProfile
+    import gc
+
+    profile, clock = cProfile.Profile(), _GcClock()
+    gc.callbacks.append(clock)
+    profile.enable()
+    try:
+        row = closed_loop(llm, prompts, params, concurrency, stagger=True)
+    finally:
+        profile.disable()
+        gc.callbacks.remove(clock)
+    return _report(profile, "offline staggered closed loop", row["prefill_steps"] + row["decode_steps"],
+                   clock.seconds)
+
+
+class _GcClock:
+    """A ``gc.callbacks`` entry that adds up the time the collector ran (on any thread)."""
+
+    def __init__(self):
+        self.seconds, self._began = 0.0, None
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            self.seconds += time.perf_counter() - self._began
+            self._began = None
+
+
+def _start_profile(host) -> None:
+    import cProfile
+    import gc
+
+    host._bench_profile, host._bench_gc = cProfile.Profile(), _GcClock()
+    gc.callbacks.append(host._bench_gc)
+    # Enabled on the engine thread (before 3.12 a profile sees only the thread that enabled it; from 3.12 on every
+    # thread of the process).
+    host._bench_steps = host.loop.submit(lambda e: (host._bench_profile.enable(),
+                                                    sum(host.loop.stats.steps.values()))[1]).result(timeout=30)
+
+
+def _stop_profile(host) -> dict:
+    import gc
+
+    steps = host.loop.submit(lambda e: (host._bench_profile.disable(),
+                                        sum(host.loop.stats.steps.values()))[1]).result(timeout=30) - host._bench_steps
+    gc.callbacks.remove(host._bench_gc)
+    return _report(host._bench_profile, "engine process", steps, host._bench_gc.seconds)
+
+
+def _report(profile, label: str, steps: int, gc_s: float, top: int = 30) -> dict:
+    """The profile's top functions by own time, in microseconds per engine step."""
+    import pstats
+
+    stats = pstats.Stats(profile).stats
+    rows = sorted(((tt, cc, f"{Path(f).name}:{line}({name})") for (f, line, name), (cc, _, tt, _, _) in stats.items()),
+                  reverse=True)
+    per = max(steps, 1)
+    return {"label": label, "steps": steps, "gc_us_per_step": gc_s / per * 1e6,
+            "total_us_per_step": sum(r[0] for r in rows) / per * 1e6,
+            "top": [{"us_per_step": tt / per * 1e6, "calls_per_step": cc / per, "function": fn}
+                    for tt, cc, fn in rows[:top]]}
+
+
+def format_profiles(reports: list[dict]) -> str:
+    out = []
+    for r in reports:
+        if not r["steps"]:
+            continue
+        out.append(f"{r['label']}: {r['steps']} engine steps, profiled Python {r['total_us_per_step']:.0f} us a step, "
+                   f"garbage collection {r['gc_us_per_step']:.0f} us a step")
+        out += [f"  {t['us_per_step']:8.1f} us {t['calls_per_step']:7.2f} calls  {t['function']}" for t in r["top"]]
+    return "\n".join(out)
+
+
+def demo_llm(device: str, dtype: str, cuda_graphs: str = "auto"):
+    """The offline engine of the demo pair, configured as the single-GPU config's aggregated replica."""
+    from spec_decode import LLM
+
+    model = app_args("aggregated", dtype, device, 1.0)["model"]
+    return LLM(str(REPO / model["model"]), draft=str(REPO / model["draft"]), device=device, dtype=model["dtype"],
+               kv_cache_dtype=model["kv_cache_dtype"], num_pages=model["num_pages"],
+               max_model_len=model["max_model_len"], max_num_batched_tokens=model["max_num_batched_tokens"],
+               max_num_seqs=model["max_num_seqs"], cuda_graphs=cuda_graphs)
+
+
+def offline(args, concurrencies: list[int], repeats: int, output_len: int, dtype: str,
+            profiles: list | None = None) -> list[dict]:
     """The engine alone on the same GPU: batches of ``concurrency`` held-out prompts through ``LLM.generate``, and
-    closed loops (``closed_loop``); the staggered one also with ``cuda_graphs: decode`` (prompt steps eager)."""
+    closed loops (``closed_loop``); the staggered one also with ``cuda_graphs: decode`` (prompt steps eager). With
+    ``profiles``, one more staggered loop at the highest concurrency under cProfile, its report appended there."""
     from benchmarks.serve_bench import _bench_args
     from engine.sequence import SamplingParams
     from serve_app.bench import _prompts
-    from spec_decode import LLM
 
-    model = app_args("aggregated", dtype, args.device, 1.0)["model"]
-
-    def engine(cuda_graphs: str):
-        return LLM(str(REPO / model["model"]), draft=str(REPO / model["draft"]), device=args.device,
-                   dtype=model["dtype"], kv_cache_dtype=model["kv_cache_dtype"], num_pages=model["num_pages"],
-                   max_model_len=model["max_model_len"], max_num_batched_tokens=model["max_num_batched_tokens"],
-                   max_num_seqs=model["max_num_seqs"], cuda_graphs=cuda_graphs)
-    llm, decode_only = engine("auto"), engine("decode")
+    llm, decode_only = demo_llm(args.device, dtype, "auto"), demo_llm(args.device, dtype, "decode")
     ns = argparse.Namespace(prompt_file=str(REPO / "benchmarks" / "prompts" / "heldout.jsonl"), input_len=64,
                             output_len=output_len, min_requests=getattr(args, "min_requests", 16))
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
@@ -286,6 +409,9 @@ def offline(args, concurrencies: list[int], repeats: int, output_len: int, dtype
                                        ("offline-staggered-decode-graphs", True, decode_only)):
             rows.append({"label": label, "max_concurrency": concurrency,
                          **closed_loop(runner, prompts, params, concurrency, stagger)})
+    if profiles is not None:
+        prompts = _prompts(_bench_args("", "offline", max(concurrencies), ns))
+        profiles.append(profiled_closed_loop(llm, prompts, params, max(concurrencies)))
     return rows
 
 
@@ -360,6 +486,9 @@ def main() -> int:
                         "on off; default: the config's)")
     p.add_argument("--cuda-graphs", nargs="+", default=None, choices=["auto", "on", "decode", "off"],
                    help="throughput: with the engines' cuda_graphs set so, each in turn (default: the config's)")
+    p.add_argument("--profile", action="store_true",
+                   help="throughput: one more run of each application at the highest concurrency with cProfile in "
+                        "every engine process, and the offline staggered loop under cProfile (tables per step)")
     p.add_argument("--out", default="out/gpu_service")
     p.add_argument("--serve-mode", choices=["throughput", "default"], default="throughput",
                    help="as in benchmarks/serve_bench.py")
@@ -414,7 +543,7 @@ def main() -> int:
                     result["pages"].append({"ucx": label, "error": f"{type(e).__name__}: {str(e)[-300:]}"})
                     print(result["pages"][-1], flush=True)
                 save(out, result)
-        summaries = []
+        summaries, profiles = [], []
         if "service" in args.parts or "throughput" in args.parts:
             port = free_port()
             serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -439,7 +568,7 @@ def main() -> int:
                             urls = deploy({name: app_args(apps[name]["mode"], dtype, args.device, 0.2, **settings)
                                            for name in ("agg", "disagg")}, port)
                         batch = throughput(urls, args.concurrency, args.repeats, 64, variant.get("client_processes", 1),
-                                           args.min_requests)
+                                           args.min_requests, profiles if args.profile and not n else None)
                         for summary in batch:
                             summary["variant"] = variant
                         summaries += batch
@@ -461,7 +590,10 @@ def main() -> int:
         from serve_app.bench import format_table, public
 
         result["throughput"] = {"http": [public(s) for s in summaries],
-                                "offline": offline(args, args.concurrency, args.repeats, 64, args.dtypes[0])}
+                                "offline": offline(args, args.concurrency, args.repeats, 64, args.dtypes[0],
+                                                   profiles if args.profile else None)}
+        if profiles:
+            result["throughput"]["profiles"] = profiles
         print(format_table(summaries))
         offline_rows = result["throughput"]["offline"]
         tables = []
@@ -526,6 +658,9 @@ def print_tables(result: dict) -> None:
                           f"{o['prefill_steps']}, p50 {o['prefill_step_ms_p50']:.2f} ms, "
                           f"{o['prefill_step_s_total']:.2f} s; the others: {o['decode_steps']}, "
                           f"p50 {o['decode_step_ms_p50']:.2f} ms, {o['decode_step_s_total']:.2f} s")
+    if result.get("throughput", {}).get("profiles"):
+        print("\nWhere the engine processes' Python time goes (own time per engine step, cProfile):\n"
+              + format_profiles(result["throughput"]["profiles"]))
     if result.get("paired"):
         from benchmarks.serve_bench import format_paired
 

@@ -98,16 +98,80 @@ def _histograms(url: str) -> dict[str, tuple[float, float]]:
     return sums
 
 
-def measured_run(url: str, bench_args: argparse.Namespace) -> dict:
+REPORT_INTERVAL_S = 1.0      # the replicas' metrics period in the benchmarked applications
+
+# The engine loops' counters (``serve_app.metrics.LOOP_COUNTERS``) read around each run, per role: key -> series.
+LOOP_SERIES = {"prompt_steps": ("dflash_engine_steps_total", "prompt"),
+               "decode_steps": ("dflash_engine_steps_total", "decode"),
+               "prompt_step_s": ("dflash_engine_step_seconds_total", "prompt"),
+               "decode_step_s": ("dflash_engine_step_seconds_total", "decode"),
+               "prompt_cpu_s": ("dflash_engine_step_cpu_seconds_total", "prompt"),
+               "decode_cpu_s": ("dflash_engine_step_cpu_seconds_total", "decode"),
+               "idle_s": ("dflash_engine_idle_seconds_total", None),
+               "thread_cpu_s": ("dflash_engine_thread_cpu_seconds_total", None),
+               "process_cpu_s": ("dflash_engine_process_cpu_seconds_total", None)}
+
+
+def _loops(url: str) -> dict[str, dict[str, float]]:
+    """Per engine role, LOOP_SERIES from the service's /metrics (as the replicas last reported them)."""
+    import httpx
+
+    from tests.test_serve_support import metric_samples, metric_sum
+
+    samples = metric_samples(httpx.get(f"{url}/metrics", timeout=30).text)
+    roles = {dict(labels)["role"] for name, labels in samples if name == "dflash_engine_steps_total"}
+    return {role: {key: metric_sum(samples, name, role=role, **({"kind": kind} if kind else {}))
+                   for key, (name, kind) in LOOP_SERIES.items()} for role in sorted(roles)}
+
+
+def loop_deltas(before: dict, after: dict, duration_s: float) -> dict[str, dict]:
+    """Per role, the run's engine loop figures: steps of each kind, their mean wall time and the share of it the
+    engine thread spent on the core, the steps' share of the run's wall time, and the engine processes' CPU."""
+    rows = {}
+    for role, values in after.items():
+        d = {k: v - before.get(role, {}).get(k, 0.0) for k, v in values.items()}
+        row = {"prompt_steps": d["prompt_steps"], "decode_steps": d["decode_steps"],
+               "steps_share": (d["prompt_step_s"] + d["decode_step_s"]) / duration_s,
+               "idle_s": d["idle_s"], "thread_cpu": d["thread_cpu_s"] / duration_s,
+               "process_cpu": d["process_cpu_s"] / duration_s}
+        for kind in ("prompt", "decode"):
+            n, wall = d[f"{kind}_steps"], d[f"{kind}_step_s"]
+            row[f"{kind}_step_ms"] = wall / n * 1e3 if n else None
+            row[f"{kind}_on_core"] = d[f"{kind}_cpu_s"] / wall if wall else None
+        rows[role] = row
+    return rows
+
+
+def format_loops(rows: dict[str, dict]) -> str:
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    return "\n".join(
+        f"   engine loop ({role}): steps {r['prompt_steps']:.0f} prompt / {r['decode_steps']:.0f} decode, "
+        f"ms a step {f(r['prompt_step_ms'], '.2f')} / {f(r['decode_step_ms'], '.2f')}, on the core "
+        f"{f(r['prompt_on_core'], '.2f')} / {f(r['decode_on_core'], '.2f')}; steps {r['steps_share']:.2f} of the run; "
+        f"CPU engine threads {r['thread_cpu']:.2f}, their processes {r['process_cpu']:.2f}"
+        for role, r in rows.items())
+
+
+def measured_run(url: str, bench_args: argparse.Namespace, report_interval_s: float | None = None) -> dict:
     """One load run with its CPU per process, the mean NIXL READ time (``mean_read_s``), and the server's means
     (``server``: TTFT, end-to-end and a disaggregated request's hand-off as the ingress saw them; queue, prefill and
-    decode inside the engines, the hand-off's phases in the decode engine's process), printed as it ends."""
+    decode inside the engines, the hand-off's phases in the decode engine's process), printed as it ends. With
+    ``report_interval_s`` (the replicas' metrics period) also the engine loops' figures (``engine_loops``,
+    ``loop_deltas``), read a report after the run's start and end (so every step of the run is in, and no other)."""
     from benchmarks.proc_cpu import bench_with_cpu, format_usage
     from serve_app.bench import bench, format_table
 
+    if report_interval_s:
+        time.sleep(1.5 * report_interval_s)
+        loops = _loops(url)
     before = _histograms(url)
     summary = bench_with_cpu(bench, bench_args)
     after = _histograms(url)
+    if report_interval_s:
+        time.sleep(1.5 * report_interval_s)
+        summary["engine_loops"] = loop_deltas(loops, _loops(url), summary["duration_s"])
     means = {}
     for key in HISTOGRAMS:
         count = after[key][1] - before[key][1]
@@ -122,6 +186,8 @@ def measured_run(url: str, bench_args: argparse.Namespace) -> dict:
                  if means["handoff_s"] is not None and (phases := _phase_sum(means)) is not None else ""),
               flush=True)
     print(format_usage(summary["cpu"]), flush=True)
+    if summary.get("engine_loops"):
+        print(format_loops(summary["engine_loops"]), flush=True)
     return summary
 
 
@@ -274,7 +340,7 @@ def main() -> int:
             for mode, name in (("aggregated", "agg"), ("disaggregated", "disagg")):
                 name += "" if direct == "on" else "-relay"
                 # The service's default metrics interval (the tests' 0.2 s reports cost CPU beside the engine).
-                app_args = service_args(target, drafter, mode=mode, metrics_report_interval_s=1.0,
+                app_args = service_args(target, drafter, mode=mode, metrics_report_interval_s=REPORT_INTERVAL_S,
                                         direct_chunks=direct == "on",
                                         model={"num_pages": 256, "max_model_len": 1024,
                                                "max_num_batched_tokens": 512})   # as the offline engine
@@ -284,7 +350,7 @@ def main() -> int:
         for repeat, concurrency in [(r, c) for r in range(args.repeats) for c in args.concurrency]:
             for name in names:
                 url = f"http://127.0.0.1:{port}/{name}"
-                summaries.append(measured_run(url, _bench_args(url, name, concurrency, args)))
+                summaries.append(measured_run(url, _bench_args(url, name, concurrency, args), REPORT_INTERVAL_S))
         pairs = {direct: paired({name: f"http://127.0.0.1:{port}/{name}{'' if direct == 'on' else '-relay'}"
                                  for name in ("agg", "disagg")}, args)
                  for direct in dict.fromkeys(args.direct_chunks)} if args.paired else {}

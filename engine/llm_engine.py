@@ -311,6 +311,7 @@ class LLMEngine:
         self._launched: _Launched | None = None
         self._clock = self._phase_clock()
         self.num_overlapped_steps = 0      # steps launched before their predecessor's tokens were read
+        self.num_prompt_steps = 0          # steps that computed prompt (or preempted history) tokens
         if backend == "triton" and model.device.type == "cuda":
             self.precompile_kernels()
         if use_cuda_graphs(cuda_graphs, model.device, backend, model.tp is not None):
@@ -627,6 +628,8 @@ class LLMEngine:
             plan = self.scheduler.schedule()
             if not plan.scheduled:
                 return []
+            if not all(s.is_decode for s in plan.scheduled):
+                self.num_prompt_steps += 1
             if not self._overlappable(plan.scheduled):
                 return self._guarded(plan.scheduled, lambda: self._run(plan.scheduled))
             launched = self._guarded(plan.scheduled, lambda: self._forward(plan.scheduled).start_copy())

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from actors.logs import configure_actor_logging
@@ -296,11 +296,51 @@ class ServiceMetrics:
         texts = [s["metrics"] for s in snapshots.values() if s["role"] == "ingress"]
         merged = CollectorRegistry()
         merged.register(_Families(merge_exposition(texts)))
-        return generate_latest(merged) + generate_latest(self.replica_registry)
+        loops = CollectorRegistry()
+        loops.register(_Families(engine_loop_families(self.model_name, snapshots)))
+        return generate_latest(merged) + generate_latest(self.replica_registry) + generate_latest(loops)
+
+
+# The engine loops' cumulative times (``actors.engine_loop.LoopStats``), per role: name, help, the snapshot's key,
+# and whether it is split by step kind.
+LOOP_COUNTERS = (
+    ("dflash_engine_steps", "Engine steps, by kind (prompt: the step computed prompt tokens)", "steps", True),
+    ("dflash_engine_step_seconds", "Wall time of engine steps", "step_s", True),
+    ("dflash_engine_step_cpu_seconds", "The engine thread's CPU time within its steps (the rest of a step's wall "
+                                       "time it waited off the core)", "step_cpu_s", True),
+    ("dflash_engine_idle_seconds", "Time an engine thread sat idle with no request to step", "idle_s", False),
+    ("dflash_engine_loop_seconds", "Time since the engine threads started", "uptime_s", False),
+    ("dflash_engine_thread_cpu_seconds", "CPU time of the engine threads", "thread_cpu_s", False),
+    ("dflash_engine_process_cpu_seconds", "CPU time of the engines' processes (the engine thread and the rest)",
+     "process_cpu_s", False),
+)
+
+
+def engine_loop_families(model_name: str, snapshots: dict[str, dict]) -> list[Metric]:
+    """Counters of where the engine threads' time goes, summed per role over the healthy replicas reporting (a
+    replica that goes away takes its share with it: a drop reads as a counter reset)."""
+    sums: dict[tuple, float] = {}
+    for snap in snapshots.values():
+        loop = snap.get("loop") if snap.get("healthy", True) else None
+        if not loop:
+            continue
+        for name, _, key, by_kind in LOOP_COUNTERS:
+            values = loop[key].items() if by_kind else [(None, loop[key])]
+            for kind, value in values:
+                sums[(name, snap["role"], kind)] = sums.get((name, snap["role"], kind), 0.0) + value
+    families = []
+    for name, doc, _, by_kind in LOOP_COUNTERS:
+        family = CounterMetricFamily(name, doc, labels=["model_name", "role"] + (["kind"] if by_kind else []))
+        for (n, role, kind), value in sorted(sums.items(), key=lambda kv: (kv[0][1], kv[0][2] or "")):
+            if n == name:
+                family.add_metric([model_name, role] + ([kind] if by_kind else []), value)
+        families.append(family)
+    return families
 
 
 def engine_snapshot(gauges: dict, role: str, interval_s: float) -> dict:
     """What a replica reports: its engine's gauges (``EngineHost.gauges``: batch sizes, pages per pool and owner),
     with requests awaiting pages or their transfer counted as waiting."""
     return {"role": role, "healthy": True, "interval_s": interval_s, "running": gauges["running"],
-            "waiting": gauges["waiting"] + gauges.get("awaiting_transfer", 0), "pools": gauges["pools"]}
+            "waiting": gauges["waiting"] + gauges.get("awaiting_transfer", 0), "pools": gauges["pools"],
+            "loop": gauges.get("loop")}

@@ -242,3 +242,39 @@ def test_nothing_reaches_a_stream_after_it_is_closed_even_if_handed_over_before(
         return kept.qsize(), dropped.qsize()
 
     assert asyncio.run(run()) == (1, 0)
+
+
+def test_the_loop_counts_its_steps_by_kind_and_its_idle_time(loop):
+    """``LoopStats``: a request's 20-token prompt is computed in one prompt step, its tokens in decode steps, each
+    step's wall and CPU time adds up (CPU within wall), and time with nothing to run counts as idle, not as
+    steps."""
+    short = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    def snapshot():
+        return loop.submit(lambda e: loop.stats.snapshot()).result(timeout=10)
+
+    async def run(request_id: str) -> int:
+        q = loop.open_stream(request_id)
+        await loop.call(lambda e: e.add_request(PROMPTS[1][:20], short, request_id=request_id))
+        outputs = 0
+        while True:
+            out = await asyncio.wait_for(q.get(), 10)
+            outputs += 1
+            if out.finished:
+                return outputs
+
+    before = snapshot()
+    outputs = asyncio.run(run("stats-a"))
+    time.sleep(0.3)         # idle: no request
+    after = snapshot()
+    steps = {k: after["steps"][k] - before["steps"][k] for k in ("prompt", "decode")}
+    assert steps["prompt"] == 1                          # 20 prompt tokens: one step computes them
+    assert steps["decode"] >= 1 and steps["prompt"] + steps["decode"] >= outputs
+    wall = {k: after["step_s"][k] - before["step_s"][k] for k in steps}
+    cpu = {k: after["step_cpu_s"][k] - before["step_cpu_s"][k] for k in steps}
+    assert all(wall[k] > 0 and 0 < cpu[k] <= wall[k] + 1e-3 for k in steps), (wall, cpu)
+    idle = after["idle_s"] - before["idle_s"]
+    elapsed = after["uptime_s"] - before["uptime_s"]
+    assert 0.25 <= idle <= elapsed - sum(wall.values())
+    assert after["thread_cpu_s"] >= before["thread_cpu_s"] + sum(cpu.values()) - 1e-3
+    assert after["process_cpu_s"] >= after["thread_cpu_s"] - before["thread_cpu_s"]

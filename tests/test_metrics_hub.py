@@ -71,3 +71,30 @@ def test_a_role_without_a_healthy_replica_reads_zero():
         decode = [value for (name, labels), value in samples.items()
                   if name == "dflash_num_replicas" and ("role", "decode") in labels]
         assert decode == [0], decode
+
+
+def test_the_engine_loops_time_is_summed_per_role_and_kind():
+    """The engine loops' counters (``LoopStats`` snapshots in the replicas' reports) are summed per role, steps and
+    their times per kind too; a replica that lost a rank is left out."""
+    from tests.test_serve_support import metric_samples, metric_sum
+
+    from serve_app.metrics import ServiceMetrics
+
+    def loop(scale: float) -> dict:
+        return {"steps": {"prompt": 2 * scale, "decode": 10 * scale}, "step_s": {"prompt": 0.5, "decode": scale},
+                "step_cpu_s": {"prompt": 0.25, "decode": scale / 2}, "idle_s": 3.0, "uptime_s": 9.0,
+                "thread_cpu_s": 4.0, "process_cpu_s": 5.0}
+
+    base = {"healthy": True, "running": 0, "waiting": 0, "pools": []}
+    snapshots = {"d1": {**base, "role": "decode", "loop": loop(1)}, "d2": {**base, "role": "decode", "loop": loop(2)},
+                 "p": {**base, "role": "prefill", "loop": loop(4)},
+                 "dead": {**base, "role": "decode", "healthy": False, "loop": loop(100)}}
+    samples = metric_samples(ServiceMetrics("demo", ("prefill", "decode")).render(snapshots).decode())
+    assert metric_sum(samples, "dflash_engine_steps_total", role="decode", kind="decode") == 30
+    assert metric_sum(samples, "dflash_engine_steps_total", role="decode", kind="prompt") == 6
+    assert metric_sum(samples, "dflash_engine_steps_total", role="prefill", kind="prompt") == 8
+    assert metric_sum(samples, "dflash_engine_step_seconds_total", role="decode", kind="decode") == 3
+    assert metric_sum(samples, "dflash_engine_step_cpu_seconds_total", role="prefill", kind="prompt") == 0.25
+    assert metric_sum(samples, "dflash_engine_idle_seconds_total", role="decode") == 6
+    assert metric_sum(samples, "dflash_engine_loop_seconds_total", role="prefill") == 9
+    assert metric_sum(samples, "dflash_engine_process_cpu_seconds_total") == 15

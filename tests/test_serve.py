@@ -856,3 +856,33 @@ def test_metrics_split_each_request_into_engine_queue_prefill_and_decode(server)
     queue, prefill, decode, ttft, e2e = (total for _, total in delta.values())
     assert prefill > 0 and decode > 0 and queue >= 0
     assert queue + prefill <= ttft and queue + prefill + decode <= e2e, delta
+
+
+def test_metrics_tell_where_each_engine_threads_time_goes(server):
+    """/metrics carries each role's engine loop counters as its replicas report them: a request's prompt step on
+    the prefill side and decode steps on the decode side, each with its wall and CPU time."""
+    def counters() -> dict:
+        samples = metrics(server)
+        return {(name, role, kind): metric_sum(samples, f"dflash_engine_{name}_total", role=role,
+                                               **({"kind": kind} if kind else {}))
+                for name in ("steps", "step_seconds", "step_cpu_seconds", "loop_seconds")
+                for role in ("prefill", "decode") for kind in (("prompt", "decode") if name != "loop_seconds"
+                                                               else (None,))}
+
+    before = counters()
+    body = {"model": "tiny", "prompt": "Where does the time go", "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True}
+    assert httpx.post(f"{server}/v1/completions", json=body, timeout=60).status_code == 200
+    deadline = time.monotonic() + 20
+    while True:         # the replicas report every metrics_report_interval_s
+        after = counters()
+        delta = {key: after[key] - before[key] for key in after}
+        if (delta[("steps", "prefill", "prompt")] >= 1 and delta[("steps", "decode", "decode")] >= 1) \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert delta[("steps", "prefill", "prompt")] >= 1 and delta[("steps", "decode", "decode")] >= 1, delta
+    assert delta[("steps", "prefill", "decode")] == 0        # a prefill replica never decodes
+    for role, kind in (("prefill", "prompt"), ("decode", "decode")):
+        assert 0 < delta[("step_cpu_seconds", role, kind)] <= delta[("step_seconds", role, kind)] + 1e-3, delta
+        assert delta[("loop_seconds", role, None)] > 0

@@ -12,6 +12,7 @@ pytestmark = pytest.mark.ray
 
 import ray  # noqa: E402
 
+from actors.chunks import ended_chunk  # noqa: E402
 from actors.replica import AggregatedReplica  # noqa: E402
 from actors.sink import ChunkSink, SinkAddress  # noqa: E402
 from engine.llm import EngineConfig  # noqa: E402
@@ -60,14 +61,16 @@ def test_chunks_go_straight_to_the_sink_and_equal_the_relayed_ones(replica):
         through_replica = await _drain(replica.generate("direct", PROMPT, PARAMS, where))
         direct = await _from_sink(queue)
         frames = sink.frames
+        by_loop_thread = ray.get(replica.group.host.__ray_call__.remote(
+            lambda host: host._sinks[where.name].frames_sent_by_loop_thread))
         # A sink on another node (as the replica sees it) gets nothing: the replica relays.
         elsewhere = sink.open("elsewhere")
         other = await _drain(replica.generate("elsewhere", PROMPT, PARAMS, dataclasses.replace(where, node_id="x")))
         await asyncio.sleep(0.2)
         sink.shutdown()
-        return relayed, through_replica, direct, frames, other, elsewhere.qsize()
+        return relayed, through_replica, direct, frames, by_loop_thread, other, elsewhere.qsize()
 
-    relayed, through_replica, direct, frames, other, misplaced = asyncio.run(run())
+    relayed, through_replica, direct, frames, by_loop_thread, other, misplaced = asyncio.run(run())
     assert through_replica == []        # the replica's stream ended with the request, carrying no chunk
     ids, text = _tokens(relayed)
     assert len(ids) == 24
@@ -75,6 +78,8 @@ def test_chunks_go_straight_to_the_sink_and_equal_the_relayed_ones(replica):
     assert direct[-1]["finish_reason"] == relayed[-1]["finish_reason"] == "length"
     assert direct[-1]["spec"] == relayed[-1]["spec"] and "timing" in direct[-1]
     assert 1 <= frames <= len(direct)       # a step's chunks as one frame
+    # ... sent by the engine's loop thread itself (the first may go through the event loop while it connects)
+    assert frames - 1 <= by_loop_thread <= frames
     assert _tokens(other) == (ids, text) and misplaced == 0
     assert _pages_free(replica) == 0
 
@@ -195,3 +200,47 @@ def test_stream_interval_holds_on_the_sink_path(ray_cluster, tmp_path):
     assert len(carrying[0]) == 1
     assert 2 <= len(carrying) <= 2 + -(-steps // 4)
     assert by_sink >= len(carrying)
+
+
+def test_what_the_socket_does_not_take_at_once_follows_in_order(ray_cluster):
+    """``_SinkLink.send_step`` (the engine loop thread's send) on a sink that is not reading: a small send buffer
+    fills, the rest of each frame and the frames after it go through the event loop, and once the sink reads
+    every chunk arrives whole and in order, the request's end told to the replica's stream after its last chunk.
+    (A real socket and a real sink; its reader is held only by not letting the event loop run.)"""
+    import socket
+
+    from actors.engine_host import _SinkLink
+    from engine.llm_engine import RequestOutput
+
+    n = 40
+
+    def output(i: int) -> RequestOutput:
+        return RequestOutput(request_id="big", prompt_token_ids=[1], token_ids=list(range(i + 1)), text="",
+                             finished=i == n - 1, finish_reason="length" if i == n - 1 else None,
+                             new_token_ids=[i], text_delta=f"{i:04d}" + "x" * 4000)
+
+    async def run():
+        sink = ChunkSink("backlog")
+        queue = sink.open("big")
+        relay: asyncio.Queue = asyncio.Queue()
+        link = _SinkLink(await sink.address(), relay, abort=lambda request_id: None)
+        link.track("big")
+        while link._sock is None:
+            await asyncio.sleep(0.01)
+        link._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        for i in range(n):          # no await in between: the sink cannot read
+            link.send_step([("big", output(i))])
+        pending_after_sends = link._pending
+        chunks = await _from_sink(queue)
+        ended = await asyncio.wait_for(relay.get(), 10)
+        while link._pending:
+            await asyncio.sleep(0.01)
+        sink.shutdown()
+        return pending_after_sends, link.frames_sent_by_loop_thread, chunks, ended
+
+    pending, direct, chunks, ended = asyncio.run(run())
+    assert pending > 0 and direct < 40          # the socket stopped taking them: a backlog formed
+    assert [c["token_ids"] for c in chunks] == [[i] for i in range(n)]
+    assert [c["text"][:4] for c in chunks] == [f"{i:04d}" for i in range(n)]
+    assert all(len(c["text"]) == 4004 for c in chunks) and chunks[-1]["finished"]
+    assert ended == ("big", ended_chunk())
