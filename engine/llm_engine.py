@@ -973,7 +973,11 @@ class LLMEngine:
             if r.detokenizer is None:
                 r.detokenizer = self.tokenizer.detokenizer()
             detok = r.detokenizer
-        appended = []
+        if detok is not None and not r.params.stop:
+            appended = self._append_without_stops(r, detok, new_tokens, logprobs)
+            new_tokens = ()
+        else:
+            appended = []
         for k, token in enumerate(new_tokens):
             r.output_token_ids.append(token)
             if logprobs is not None:
@@ -994,6 +998,26 @@ class LLMEngine:
         # Tokens past a stop were verified but are not output: the cache length never exceeds the history.
         r.num_computed_tokens = min(r.num_computed_tokens, r.num_tokens - 1)
         r.num_draft_context = min(r.num_draft_context, r.num_computed_tokens)
+        return appended
+
+    def _append_without_stops(self, r: Request, detok, new_tokens: list[int],
+                              logprobs: list[TokenLogprob] | None) -> list[int]:
+        """``_append`` for a request with no stop string to look for: its tokens are appended up to a limit (EOS, a
+        stop token, max_tokens) and detokenized together, one window decode a request a step rather than one per
+        accepted token (the text is the same: the detokenizer's pieces concatenate to the whole decode)."""
+        appended, reason = [], None
+        for k, token in enumerate(new_tokens):
+            r.output_token_ids.append(token)
+            if logprobs is not None:
+                r.output_logprobs.append(logprobs[k])
+            appended.append(token)
+            reason = self._limit_reason(r, token)
+            if reason:
+                break
+        _extend_text(r, detok.step(r.output_token_ids))
+        if reason:
+            _extend_text(r, detok.finish(r.output_token_ids))
+            self._finish(r, reason)
         return appended
 
     def _limit_reason(self, r: Request, token: int) -> str | None:

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from engine import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from spec_decode import LLM
 from tests.test_serve_support import write_char_tokenizer, write_tiny_pair
 
@@ -206,11 +206,17 @@ def test_demo_pair_text_is_the_whole_decode(bpe, monkeypatch):
     llm = LLM(DEMO / "target", draft=DEMO / "drafter")
     prompts = [bpe.encode(p) for p in ["import os\n", "def add(a, b):\n", "# 你好\n", "class A:\n"]]
     stops = ("\n\n", "return", "self")
+    windows = []
+    step = IncrementalDetokenizer.step
     with monkeypatch.context() as m:
         m.setattr(Tokenizer, "decode", no_whole_decode)
+        # Counted, not changed: without a stop string a request's step detokenizes its tokens in one window.
+        m.setattr(IncrementalDetokenizer, "step", lambda self, ids: windows.append(len(ids)) or step(self, ids))
         free = collect(llm.engine, prompts, SamplingParams(max_tokens=32, ignore_eos=True))
+        free_windows, windows[:] = len(windows), []
         stopped = collect(llm.engine, prompts, SamplingParams(max_tokens=32, stop=stops))
     assert any(len(o.new_token_ids) > 1 for outs in free + stopped for o in outs)     # speculative steps
+    assert free_windows <= sum(len(outs) for outs in free) < sum(len(outs[-1].token_ids) for outs in free)
     for outs in free:
         check_deltas(outs, ())
         assert outs[-1].text == bpe.decode(outs[-1].token_ids)
