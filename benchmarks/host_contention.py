@@ -113,6 +113,8 @@ def main() -> int:
     p.add_argument("--burst-us", type=float, default=50.0)
     p.add_argument("--gap-us", type=float, default=300.0)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--conditions", nargs="+", choices=["alone", "busy", "thread"], default=["alone", "busy", "thread"],
+                   help="which conditions to run (alone: the engine's own figures, e.g. to compare two trees)")
     args = p.parse_args()
 
     from benchmarks.gpu_service import demo_llm
@@ -129,6 +131,8 @@ def main() -> int:
     conditions = {"alone": lambda: _Nothing(), f"busy cores ({args.busy})": lambda: BusyCores(args.busy),
                   f"thread ({args.burst_us:g} us / {args.gap_us:g} us)": lambda: BurstyThread(args.burst_us,
                                                                                              args.gap_us)}
+    conditions = {name: make for (key, (name, make)) in zip(("alone", "busy", "thread"), conditions.items())
+                  if key in args.conditions}
     rows = []
     for repeat in range(args.repeats):
         base = None
@@ -137,7 +141,7 @@ def main() -> int:
                 row = timed_loop(llm, prompts, params, args.concurrency)
             row.update(condition=name, repeat=repeat, thread_cpu_share=getattr(cm, "cpu_share", None))
             base = base or row
-            row["vs_alone"] = row["output_throughput"] / base["output_throughput"]
+            row["vs_alone"] = row["output_throughput"] / base["output_throughput"]     # (the first run, if not)
             rows.append(row)
             print(_line(row), flush=True)
     print(f"\n{args.device}: staggered closed loop, {args.concurrency} streams, {len(prompts)} requests of "
