@@ -154,10 +154,6 @@ def format_loops(rows: dict[str, dict]) -> str:
         for role, r in rows.items())
 
 
-def _describe(settings: dict) -> str:
-    return ", ".join(f"{k} {'on' if v is True else 'off' if v is False else v}" for k, v in settings.items())
-
-
 def measured_run(url: str, bench_args: argparse.Namespace, report_interval_s: float | None = None) -> dict:
     """One load run with its CPU per process, the mean NIXL READ time (``mean_read_s``), and the server's means
     (``server``: TTFT, end-to-end and a disaggregated request's hand-off as the ingress saw them; queue, prefill and
@@ -313,9 +309,6 @@ def main() -> int:
                    help="throughput: Ray Serve's high-throughput mode, as dflash-serve up runs it (SERVE_ENV in "
                         "serve_app/config.py); default: Serve's own defaults (its Python HTTP proxy, Ray calls "
                         "between deployments)")
-    p.add_argument("--frontend-niceness", type=int, nargs="+", default=[0],
-                   help="the service's frontend_niceness, each deployed side by side (apps agg-nice<N> and "
-                        "disagg-nice<N>) and run in turn")
     p.add_argument("--direct-chunks", nargs="+", choices=["on", "off"], default=["on"],
                    help="the service's direct_chunks, each deployed side by side (apps agg and disagg for on, "
                         "agg-relay and disagg-relay for off) and run in turn")
@@ -323,11 +316,6 @@ def main() -> int:
     serving = _serve_mode(args.serve_mode)
     # Read by the raylet this process starts (RayConfig ``worker_niceness``).
     os.environ["RAY_worker_niceness"] = str(args.worker_niceness)
-
-    # The settings deployed side by side, each as apps agg<suffix> and disagg<suffix>.
-    variants = {("" if direct == "on" else "-relay") + (f"-nice{nice}" if nice else ""):
-                {"direct_chunks": direct == "on", "frontend_niceness": nice}
-                for direct in dict.fromkeys(args.direct_chunks) for nice in dict.fromkeys(args.frontend_niceness)}
 
     import ray
     import torch
@@ -348,13 +336,14 @@ def main() -> int:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         names = []
-        for suffix, settings in variants.items():
+        for direct in dict.fromkeys(args.direct_chunks):
             for mode, name in (("aggregated", "agg"), ("disaggregated", "disagg")):
-                name += suffix
+                name += "" if direct == "on" else "-relay"
                 # The service's default metrics interval (the tests' 0.2 s reports cost CPU beside the engine).
                 app_args = service_args(target, drafter, mode=mode, metrics_report_interval_s=REPORT_INTERVAL_S,
-                                        **settings, model={"num_pages": 256, "max_model_len": 1024,
-                                                           "max_num_batched_tokens": 512})   # as the offline engine
+                                        direct_chunks=direct == "on",
+                                        model={"num_pages": 256, "max_model_len": 1024,
+                                               "max_num_batched_tokens": 512})   # as the offline engine
                 serve.run(build_app(app_args), name=name, route_prefix=f"/{name}")
                 wait_healthy(f"http://127.0.0.1:{port}/{name}")
                 names.append(name)
@@ -362,8 +351,9 @@ def main() -> int:
             for name in names:
                 url = f"http://127.0.0.1:{port}/{name}"
                 summaries.append(measured_run(url, _bench_args(url, name, concurrency, args), REPORT_INTERVAL_S))
-        pairs = {suffix: paired({name: f"http://127.0.0.1:{port}/{name}{suffix}" for name in ("agg", "disagg")}, args)
-                 for suffix in variants} if args.paired else {}
+        pairs = {direct: paired({name: f"http://127.0.0.1:{port}/{name}{'' if direct == 'on' else '-relay'}"
+                                 for name in ("agg", "disagg")}, args)
+                 for direct in dict.fromkeys(args.direct_chunks)} if args.paired else {}
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -376,10 +366,11 @@ def main() -> int:
     print(f"pair: {pair}; Ray workers at nice {args.worker_niceness}, offline engine at nice {os.nice(0)}; "
           f"Serve mode {args.serve_mode} ({serving})")
     print(format_table(summaries))
-    for suffix, settings in variants.items():
-        print(f"{_describe(settings)}:\n{_ratios(summaries, offline, suffix)}")
-    for suffix, pair_stats in pairs.items():
-        print(f"{_describe(variants[suffix])}: {format_paired(pair_stats)}")
+    for direct in dict.fromkeys(args.direct_chunks):
+        suffix = "" if direct == "on" else "-relay"
+        print(f"direct_chunks {direct}:\n{_ratios(summaries, offline, suffix)}")
+    for direct, pair_stats in pairs.items():
+        print(f"direct_chunks {direct}: {format_paired(pair_stats)}")
     print("| offline | conc | req/s | out tok/s | E2E p50 (batch) ms | AL |\n|---|---|---|---|---|---|")
     for o in offline:
         al = o["mean_acceptance_length"]

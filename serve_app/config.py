@@ -171,10 +171,6 @@ class ServiceConfig(_Strict):
     # of that ingress's requests (``actors/sink.py``); off, or across nodes, each chunk goes through its replica's
     # Serve stream. Serve still routes, counts and cancels every request either way.
     direct_chunks: bool = True
-    # Added to the niceness of the ingress and replica processes (not the engines' processes or the KV managers):
-    # where cores are short (a CPU-only node) the engine threads, which every request waits on, win the CPU from
-    # the serving layer around them. 0 leaves the processes as Ray starts them.
-    frontend_niceness: int = Field(0, ge=0, le=19)
     max_concurrent_requests: int = Field(256, ge=1)  # choices (prompts x n) per ingress replica; beyond: 429
     max_request_bytes: int = Field(1 << 20, ge=1024)  # a larger request body is refused (413) unread
     # Clients must send "Authorization: Bearer <key>" on /v1/* when a key is set (here or, better, kept out of

@@ -45,7 +45,6 @@ from serve_app.protocol import (APIError, AssistantMessage, ChatChoice, ChatChun
                                 CompletionRequest, CompletionResponse, PromptTokensDetails, SpecDecodeUsage,
                                 TopLogprob, Usage, check_text, max_tokens_field, render_chat, sampling_params)
 from serve_app.router import Router
-from serve_app.serve_env import lower_priority
 
 log = logging.getLogger("dflash.ingress")
 # /docs and /openapi.json are off unless the config turns them on (``Ingress.__init__``).
@@ -315,7 +314,6 @@ class Ingress:
     def __init__(self, service: dict, hub, **backends):
         configure_actor_logging()
         self.service = ServiceConfig.model_validate(service)
-        lower_priority(self.service.frontend_niceness)
         self.model_name = self.service.model.name
         self.metrics = ServiceMetrics(self.model_name, ("aggregated",) if self.service.mode == "aggregated"
                                       else ("prefill", "decode"))

@@ -9,7 +9,6 @@ import threading
 from actors.replica import AggregatedReplica, DecodeReplica, PrefillReplica
 from serve_app.config import ServiceConfig
 from serve_app.metrics import HubClient, engine_snapshot
-from serve_app.serve_env import lower_priority
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +19,6 @@ class _Served:
 
     def __init__(self, service: dict, hub):
         self.service = ServiceConfig.model_validate(service)
-        lower_priority(self.service.frontend_niceness)      # (the engine's process, started below, keeps its own)
         super().__init__(self.service.model.engine_config(), tp_size=self.service.tp_size(self.role),
                          num_threads=self.service.model.num_threads,
                          hold_timeout_s=self.service.hold_timeout_s, transfer_draft_kv=self.service.transfer_draft_kv,

@@ -24,21 +24,3 @@ def serve_env(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
     for name, value in SERVE_ENV.items():
         environ.setdefault(name, value)
     return {name: environ[name] for name in SERVE_ENV}
-
-
-def lower_priority(by: int) -> None:
-    """Add ``by`` to this process's niceness, every thread of it (Linux keeps a niceness per thread, and a thread
-    inherits the one of the thread that started it): the serving layer's processes yield the CPU to the engines'
-    where cores are short. Raising one's own niceness needs no privilege; it stops at 19."""
-    if by <= 0:
-        return
-    try:
-        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
-    except OSError:           # not Linux: the process's niceness
-        os.nice(by)
-        return
-    for tid in threads:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + by))
-        except OSError:       # the thread ended meanwhile
-            pass
