@@ -244,7 +244,7 @@ def paired(urls: dict[str, str], args) -> dict:
 
     import httpx
 
-    from serve_app.bench import _one, _prompts
+    from serve_app.bench import _one, _prompts, client_session
 
     ns = _bench_args(urls["agg"], "paired", 1, args)
     ns.num_requests, ns.output_len = args.paired, 8
@@ -254,7 +254,7 @@ def paired(urls: dict[str, str], args) -> dict:
 
     async def run() -> list[dict]:
         results = []
-        async with httpx.AsyncClient(timeout=120) as client:
+        async with client_session(120) as client:
             for i, prompt in enumerate(_prompts(ns)):
                 order = ("agg", "disagg") if i % 2 == 0 else ("disagg", "agg")
                 pair = {}

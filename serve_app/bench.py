@@ -68,37 +68,66 @@ def _prompts(args, vocab_hint: int = 100) -> list:
     return [[rng.randrange(4, vocab_hint) for _ in range(args.input_len)] for _ in range(args.num_requests)]
 
 
-async def _one(client, url: str, model: str, prompt, args) -> RequestResult:
+def client_session(timeout_s: float = 600.0):
+    """The load client's HTTP session: aiohttp, whose C parser takes well under half of httpx's CPU per streamed
+    event (measured in benchmarks/README.md), so a client beside the server on one host takes fewer of its cores.
+    No connection limit: the concurrency is the caller's."""
+    import aiohttp
+
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeout_s,
+                                                               sock_read=timeout_s))
+
+
+def _sse_data(buffer: bytearray, data: bytes):
+    """The ``data:`` payloads of the complete lines in ``buffer + data``; the unfinished tail stays in ``buffer``."""
+    buffer += data
+    end = buffer.rfind(b"\n")
+    if end < 0:
+        return []
+    lines = bytes(buffer[:end]).split(b"\n")
+    del buffer[:end + 1]
+    out = []
+    for line in lines:
+        line = line.rstrip(b"\r")
+        if line.startswith(b"data:"):
+            payload = line[5:].lstrip(b" ")
+            if payload != b"[DONE]":
+                out.append(payload)
+    return out
+
+
+async def _one(session, url: str, model: str, prompt, args) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": args.temperature,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     last = None
     result = RequestResult(ok=False)
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                result.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+        async with session.post(f"{url}/v1/completions", json=body) as r:
+            if r.status != 200:
+                result.error = f"HTTP {r.status}: {(await r.read()).decode(errors='replace')[:200]}"
                 return result
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    result.error = event["error"]["message"]
-                    return result
-                if event.get("usage"):
-                    result.prompt_tokens = event["usage"]["prompt_tokens"]
-                    result.output_tokens = event["usage"]["completion_tokens"]
-                    spec = event["usage"].get("spec_decode")
-                    if spec:
-                        result.spec = (spec["num_drafts"], spec["accepted_tokens"])
-                if event["choices"] and event["choices"][0]["text"]:
-                    now = time.perf_counter()
-                    if last is None:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
+            buffer = bytearray()
+            async for data in r.content.iter_any():
+                for payload in _sse_data(buffer, data):
+                    event = json.loads(payload)
+                    if "error" in event:
+                        result.error = event["error"]["message"]
+                        return result
+                    if event.get("usage"):
+                        result.prompt_tokens = event["usage"]["prompt_tokens"]
+                        result.output_tokens = event["usage"]["completion_tokens"]
+                        spec = event["usage"].get("spec_decode")
+                        if spec:
+                            result.spec = (spec["num_drafts"], spec["accepted_tokens"])
+                    if event["choices"] and event["choices"][0]["text"]:
+                        now = time.perf_counter()
+                        if last is None:
+                            result.ttft = now - start
+                        else:
+                            result.itl.append(now - last)
+                        last = now
     except Exception as e:     # a failed request is counted and reported, not fatal to the run
         result.error = f"{type(e).__name__}: {e}"
         return result
@@ -131,8 +160,6 @@ def _pct(values: list[float]) -> dict[str, float | None]:
 
 
 async def _run(args, model: str, prompts: list) -> tuple[list[RequestResult], float]:
-    import httpx
-
     limit = asyncio.Semaphore(args.max_concurrency or len(prompts))
     rng = random.Random(args.seed + 1)
     bar = None
@@ -140,10 +167,10 @@ async def _run(args, model: str, prompts: list) -> tuple[list[RequestResult], fl
         from tqdm import tqdm
         bar = tqdm(total=len(prompts), desc=args.label or "bench", unit="req")
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+    async with client_session() as session:
         async def limited(prompt):
             async with limit:
-                res = await _one(client, args.url, model, prompt, args)
+                res = await _one(session, args.url, model, prompt, args)
             if bar is not None:
                 bar.update(1)
             return res
@@ -178,7 +205,7 @@ def _shares(args, prompts: list) -> list[tuple[argparse.Namespace, list]]:
 
 
 def _warm_up(_: int) -> None:
-    import httpx  # noqa: F401
+    import aiohttp  # noqa: F401
 
 
 def _run_share(args, model: str, prompts: list, start_at: float) -> tuple[list[RequestResult], float, float]:
@@ -198,7 +225,7 @@ def _run_all(args, model: str, prompts: list) -> tuple[list[RequestResult], floa
 
     # Spawned, not forked: the calling process may hold Ray's threads and sockets.
     with concurrent.futures.ProcessPoolExecutor(len(shares), mp_context=multiprocessing.get_context("spawn")) as pool:
-        list(pool.map(_warm_up, range(len(shares))))          # processes up and httpx imported before the clock
+        list(pool.map(_warm_up, range(len(shares))))          # processes up and aiohttp imported before the clock
         start_at = time.time() + 0.5
         done = list(pool.map(_run_share, *zip(*[(a, model, p, start_at) for a, p in shares])))
     results = [r for share, _, _ in done for r in share]
