@@ -31,8 +31,14 @@ def error_chunk(status: int, message: str, error_type: str = "server_error") -> 
     return {"type": "error", "status": status, "message": message, "error_type": error_type}
 
 
+class RequestRefused(Exception):
+    """The engine would not add a request (bad input it found: too long for the context, ...): a 400."""
+
+
 def error_from(e: BaseException) -> dict:
     """The error chunk a client sees for an engine-side failure."""
+    if isinstance(e, RequestRefused):
+        return error_chunk(400, str(e), "invalid_request_error")
     if isinstance(e, EngineStopped):
         return error_chunk(503, str(e), "unavailable")
     if isinstance(e, TransferError):

@@ -44,7 +44,8 @@ from typing import Any
 
 from actors.channel import (ActorLink, ChannelServer, connect_local, frame, frame_size, header_size,
                             listening_socket, pickled, presents_key, read_frame)
-from actors.chunks import ended_chunk, ends, error_chunk, error_from, token_chunk
+from actors.chunks import RequestRefused, ended_chunk, ends, error_chunk, error_from, token_chunk
+from actors.cpus import thread_cpus
 from actors.engine_loop import EngineStopped, ReservationQueue, hand_over, name_native_thread
 from actors.nixl_transfer import TransferError
 from actors.sink import SinkAddress
@@ -308,6 +309,10 @@ class EngineHost(RankWorker):
         return {"page_size": self.engine.kv.page_size, "node_id": ray.get_runtime_context().get_node_id(),
                 "address": self._address, "key": self._key}
 
+    async def thread_cpus(self) -> list[list[int]]:
+        """(Inspection) ``actors.cpus.thread_cpus`` of this process."""
+        return thread_cpus()
+
     async def channel_info(self) -> dict:
         """Where the ingress's ``hand`` and ``drop`` calls go when it runs on this node (``actors.channel``)."""
         return await self._channel.info()
@@ -417,23 +422,27 @@ class EngineHost(RankWorker):
     # --- commands: each hands its work to the engine loop before returning (an awaitable for its result) -------
     def _do_start(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, hold_pages: bool,
                   on_finish: Callable[[LLMEngine, RequestOutput], Any] | None, sink: SinkAddress | None = None,
-                  offer: PrefillOffer | None = None, ticket_params: SamplingParams | None = None):
+                  offer: PrefillOffer | None = None, ticket_params: SamplingParams | None = None) -> None:
+        """Open the request's stream and add it on the engine loop thread. Nothing is sent back for an added request
+        (no reply to wait for, no wake-up of this event loop): a refusal (``RequestRefused``, a 400) or an engine
+        that stopped comes on the request's stream, as its one item."""
         stream = self._open(request_id, on_finish, sink)
         if offer is not None:
             stream.issue = functools.partial(self._issue, request_id, list(prompt_token_ids), ticket_params, offer,
                                              time.perf_counter())
-        added = self.loop.call(lambda e: e.add_request(prompt_token_ids, params, request_id=request_id,
-                                                        hold_pages=hold_pages))
-        return self._started(request_id, added)
 
-    async def _started(self, request_id: str, added: asyncio.Future) -> dict | None:
-        try:
-            await added
-            return None
-        except (ValueError, EngineStopped) as e:
-            self.loop.close_stream(request_id)
-            self._forget(request_id)
-            return error_chunk(400, str(e), "invalid_request_error") if isinstance(e, ValueError) else error_from(e)
+        def add(e: LLMEngine) -> None:
+            try:
+                e.add_request(prompt_token_ids, params, request_id=request_id, hold_pages=hold_pages)
+            except ValueError as refused:
+                self.loop.deliver([(request_id, RequestRefused(str(refused)))])
+            except Exception as failed:      # a bug, told to the request (a 500) and logged
+                log.exception("adding request %s failed", request_id)
+                self.loop.deliver([(request_id, failed)])
+
+        added = self.loop.submit(add)
+        if added.done() and isinstance(added.exception(), EngineStopped):     # the loop had stopped already
+            self.loop.deliver([(request_id, added.exception())])
 
     def _forget(self, request_id: str) -> None:
         """The request's stream is closed: no sink waits for its chunks any more."""
@@ -834,18 +843,20 @@ class EngineClient:
                     hold_pages: bool = False, on_finish: Callable[[LLMEngine, RequestOutput], Any] | None = None,
                     sink: SinkAddress | None = None, offer: PrefillOffer | None = None,
                     ticket_params: SamplingParams | None = None) -> dict | None:
-        """Add the request (its stream must be open); None, or the error chunk that refused it (bad input: 400;
-        the engine stopped: 503). ``on_finish`` runs on the engine thread as the finished output is handed over
-        (``EngineLoop.open_stream``): module-level, it travels by reference. With ``sink`` (on this node) the
-        host sends the request's chunks there, and its stream here gets only ``ended_chunk`` or an error. With
-        ``offer`` (a prefill, ``on_finish`` being ``actors.ticket.handover``) the host issues the request's ticket
-        (for ``ticket_params``, the request's own) and sends its result as one ``{"type": "prefilled"}`` item."""
+        """Add the request (its stream must be open): None once the command went, or the error chunk of an engine
+        process that is gone (503). The host sends nothing back for an added request; a refusal (bad input, 400)
+        or a failure arrives on the stream as its one item. ``on_finish`` runs on the engine thread as the
+        finished output is handed over (``EngineLoop.open_stream``): module-level, it travels by reference. With
+        ``sink`` (on this node) the host sends the request's chunks there, and its stream here gets only
+        ``ended_chunk`` or an error. With ``offer`` (a prefill, ``on_finish`` being ``actors.ticket.handover``)
+        the host issues the request's ticket (for ``ticket_params``, the request's own) and sends its result as
+        one ``{"type": "prefilled"}`` item."""
         try:
-            return await asyncio.wrap_future(self._command("start", request_id, list(prompt_token_ids), params,
-                                                           hold_pages, on_finish, sink, offer, ticket_params,
-                                                           reply=True))
+            self._command("start", request_id, list(prompt_token_ids), params, hold_pages, on_finish, sink, offer,
+                          ticket_params)
         except EngineStopped as e:
             return error_from(e)
+        return None
 
     def abort(self, request_id: str) -> None:
         """Abort and free the request's pages; safe in a cancelled coroutine's ``finally`` (nothing to await)."""

@@ -75,9 +75,31 @@ def test_a_command_whose_arguments_do_not_pickle_sends_nothing(group):
     assert _generate(group.engine, "good", 3) == 3
 
 
+def test_a_refused_start_ends_its_stream_with_a_400_and_the_next_request_runs(group):
+    """A start asks for no reply (an added request sends nothing back through the engine process's event loop);
+    a request the engine refuses (a token id outside the vocabulary) gets a 400 as its stream's one item, holds no
+    page, and the request after it is served."""
+    client = group.engine
+
+    async def run() -> dict:
+        queue = client.open_stream("refused")
+        assert await client.start("refused", [10**6] * 3, SamplingParams(max_tokens=3)) is None
+        item = await asyncio.wait_for(queue.get(), 30)
+        await asyncio.sleep(0.2)
+        assert queue.empty()
+        client.close_stream("refused")
+        return item
+
+    item = asyncio.run(run())
+    assert (item["type"], item["status"], item["error_type"]) == ("error", 400, "invalid_request_error"), item
+    assert "token ids" in item["message"]
+    assert ray.get(group.host.pages_in_use.remote()) == 0
+    assert _generate(client, "after", 3) == 3
+
+
 def test_a_caller_that_stops_waiting_for_its_reply_leaves_the_replica_serving(group):
-    """A client that leaves while its request's start waits for the engine (Serve cancels the replica's call, which
-    cancels the reply's future): the reply that comes later is dropped, the replica's receiving thread goes on, and
+    """A client that leaves while its command's reply is on its way (a stand-by's; here a start sent asking for one:
+    Serve cancels the replica's call, which cancels the reply's future): the reply that comes later is dropped, the replica's receiving thread goes on, and
     the request's stream and the next requests are served. Taking the reply into the cancelled future raised there
     once, which ended every stream of the replica and failed its health check."""
     client = group.engine
