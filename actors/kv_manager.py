@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from actors.channel import ChannelServer
+from actors.cpus import leave_engine_cpus
 from actors.logs import configure_actor_logging
 from actors.memory import PoolExport, SegmentAllocator, SharedSegments, device_uuid, map_segment
 from actors.nixl_transfer import NixlEndpoint, TransferError, owners_for
@@ -76,6 +77,7 @@ class KVManagerActor:
                  hold_timeout_s: float = 30.0, read_deadline_s: float = 120.0, num_threads: int = 1,
                  read_delay_s: float = 0.0, transport: str = "auto", peer_check_s: float = PEER_CHECK_S):
         configure_actor_logging()
+        leave_engine_cpus()
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         torch.set_num_threads(num_threads)

@@ -21,6 +21,7 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 
 from actors.chunks import Batcher, error_chunk
+from actors.cpus import leave_engine_cpus, thread_cpus
 from actors.engine_loop import EngineStopped
 from actors.logs import configure_actor_logging
 from actors.sink import SinkAddress
@@ -45,6 +46,7 @@ class EngineReplica:
                  reserve_timeout_s: float = 10.0, read_delay_s: float = 0.0, kv_transport: str = "auto",
                  stream_interval: int = 1, ticket_timeout_s: float = 300.0):
         configure_actor_logging()
+        leave_engine_cpus()
         self.config = config
         self.ticket_timeout_s = ticket_timeout_s
         self.stream_interval = stream_interval
@@ -63,6 +65,11 @@ class EngineReplica:
 
     async def ready(self) -> str:
         return self.replica_id
+
+    async def thread_cpus(self) -> dict[str, list[list[int]]]:
+        """(Inspection) The cores the threads of this replica's process and of its engine's may run on
+        (``actors.cpus``)."""
+        return {"replica": thread_cpus(), "engine": await self.group.host.thread_cpus.remote()}
 
     health_timeout_s = HEALTH_PING_TIMEOUT_S     # a rank's answer to a health check, at most
     failed_checks = 0           # health checks failed in a row

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from actors.cpus import claim_engine_cpu
 from actors.engine_loop import EngineLoop
 from actors.logs import configure_actor_logging
 from actors.memory import map_segment
@@ -87,6 +88,7 @@ class RankWorker:
     def __init__(self, config: EngineConfig, kv_manager=None, *, num_threads: int = 1, tp_size: int = 1,
                  tp_rank: int = 0, tp_address: tuple[str, int] | None = None):
         configure_actor_logging()      # also rank 0's engine process (``EngineHost``)
+        claim_engine_cpu()             # a core of its own, if the service names engine cores (``actors.cpus``)
         torch.set_num_threads(num_threads)
         self.config = config
         self.tp_rank = tp_rank

@@ -28,6 +28,7 @@ Three parts, in one Ray cluster on the machine, each printing a table (and all o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -262,6 +263,22 @@ def throughput(urls: dict[str, str], concurrencies: list[int], repeats: int, out
     return summaries
 
 
+@contextlib.contextmanager
+def off_engine_cpus(engine_cpus: list[int] | None):
+    """This process (and the load client processes it starts) on the cores the engines do not have, while
+    inside."""
+    from actors import cpus
+
+    before = os.sched_getaffinity(0)
+    rest = before - set(engine_cpus or ())
+    if engine_cpus and rest:
+        cpus.bind_process(rest)
+    try:
+        yield
+    finally:
+        cpus.bind_process(before)
+
+
 def _engine_hosts() -> list:
     """Every live engine process (rank 0's ``EngineHost`` of each replica)."""
     import ray
@@ -486,6 +503,9 @@ def main() -> int:
                         "on off; default: the config's)")
     p.add_argument("--cuda-graphs", nargs="+", default=None, choices=["auto", "on", "decode", "off"],
                    help="throughput: with the engines' cuda_graphs set so, each in turn (default: the config's)")
+    p.add_argument("--engine-cpus", nargs="+", default=None, metavar="LIST",
+                   help="throughput: with the service's engine_cpus so (off, or cores like 0,1,2; the load client "
+                        "keeps off them too), each in turn (default: the config's)")
     p.add_argument("--profile", action="store_true",
                    help="throughput: one more run of each application at the highest concurrency with cProfile in "
                         "every engine process, and the offline staggered loop under cProfile (tables per step)")
@@ -513,10 +533,11 @@ def main() -> int:
     # Throughput variants: every combination of the settings given (none: the config's).
     variants = [{**({} if i is None else {"ingress_replicas": i}), **({} if k is None else {"stream_interval": k}),
                  **({} if g is None else {"cuda_graphs": g}), **({} if d is None else {"direct_chunks": d == "on"}),
-                 **({} if c is None else {"client_processes": c})}
+                 **({} if c is None else {"client_processes": c}),
+                 **({} if e is None else {"engine_cpus": None if e == "off" else [int(x) for x in e.split(",")]})}
                 for i in args.ingress_replicas or [None] for k in args.stream_interval or [None]
                 for g in args.cuda_graphs or [None] for d in args.direct_chunks or [None]
-                for c in args.client_processes or [None]]
+                for c in args.client_processes or [None] for e in args.engine_cpus or [None]]
     if gpu and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no GPU visible")
     out = Path(args.out)
@@ -567,8 +588,10 @@ def main() -> int:
                             settings = {k: v for k, v in variant.items() if k != "client_processes"}
                             urls = deploy({name: app_args(apps[name]["mode"], dtype, args.device, 0.2, **settings)
                                            for name in ("agg", "disagg")}, port)
-                        batch = throughput(urls, args.concurrency, args.repeats, 64, variant.get("client_processes", 1),
-                                           args.min_requests, profiles if args.profile and not n else None)
+                        with off_engine_cpus(variant.get("engine_cpus")):       # the load client too
+                            batch = throughput(urls, args.concurrency, args.repeats, 64,
+                                               variant.get("client_processes", 1), args.min_requests,
+                                               profiles if args.profile and not n else None)
                         for summary in batch:
                             summary["variant"] = variant
                         summaries += batch

@@ -13,7 +13,11 @@ apart as HTTP arrivals are) under each condition in turn, the whole sequence ``-
   other engines of a loaded service take 4-6 cores of a 16-core GPU host);
 - ``thread``: a second thread in the engine's process runs Python in short bursts (``--burst-us`` of work, then
   ``--gap-us`` asleep: about what the engine process's event loop spends sending frames and taking commands under
-  load, 0.1-0.16 of a core), so every call that lets go of the interpreter lock may hand it over.
+  load, 0.1-0.16 of a core), so every call that lets go of the interpreter lock may hand it over;
+- ``pinned``: every thread of the engine's process bound to one core (``--pin-cpu``, default the last), nothing
+  else running: what moving between cores costs the engine;
+- ``busy, pinned``: pinned, with ``--busy`` spinning processes bound to the other cores: whether a core of its
+  own gives the engine back what other busy cores take.
 
 Reported per condition: output tokens/s, the p50 wall time of steps that computed a prompt and of the others, and
 the engine thread's CPU time per step; the ratios are against ``alone`` in the same repeat.
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import statistics
 import sys
 import threading
@@ -31,24 +36,27 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+CONDITIONS = ("alone", "busy", "thread", "pinned", "busy-pinned")
 
 
-def _spin(stop) -> None:
+def _spin(stop, cpus=None) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     while not stop.is_set():
         for _ in range(10_000):
             pass
 
 
 class BusyCores:
-    """``n`` processes spinning a core each while inside the block."""
+    """``n`` processes spinning a core each while inside the block (on ``cpus`` only, if given)."""
 
-    def __init__(self, n: int):
-        self.n = n
+    def __init__(self, n: int, cpus: set[int] | None = None):
+        self.n, self.cpus = n, cpus
 
     def __enter__(self):
         ctx = multiprocessing.get_context("spawn")
         self.stop = ctx.Event()
-        self.procs = [ctx.Process(target=_spin, args=(self.stop,), daemon=True) for _ in range(self.n)]
+        self.procs = [ctx.Process(target=_spin, args=(self.stop, self.cpus), daemon=True) for _ in range(self.n)]
         for p in self.procs:
             p.start()
         time.sleep(0.5)       # spawned and spinning
@@ -58,6 +66,29 @@ class BusyCores:
         self.stop.set()
         for p in self.procs:
             p.join(10)
+        return False
+
+
+class Pinned:
+    """This process's threads on ``cpu`` alone while inside the block (and ``busy`` spinners on the other cores)."""
+
+    def __init__(self, cpu: int, busy: int = 0):
+        self.cpu, self.busy = cpu, busy
+
+    def __enter__(self):
+        from actors.cpus import bind_process
+
+        self.before = os.sched_getaffinity(0)
+        bind_process({self.cpu})
+        self.spinners = BusyCores(self.busy, self.before - {self.cpu}).__enter__() if self.busy else None
+        return self
+
+    def __exit__(self, *exc):
+        from actors.cpus import bind_process
+
+        if self.spinners is not None:
+            self.spinners.__exit__(*exc)
+        bind_process(self.before)
         return False
 
 
@@ -113,7 +144,9 @@ def main() -> int:
     p.add_argument("--burst-us", type=float, default=50.0)
     p.add_argument("--gap-us", type=float, default=300.0)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--conditions", nargs="+", choices=["alone", "busy", "thread"], default=["alone", "busy", "thread"],
+    p.add_argument("--pin-cpu", type=int, default=max(os.sched_getaffinity(0)),
+                   help="the core of the pinned conditions (default: the last)")
+    p.add_argument("--conditions", nargs="+", choices=list(CONDITIONS), default=["alone", "busy", "thread"],
                    help="which conditions to run (alone: the engine's own figures, e.g. to compare two trees)")
     args = p.parse_args()
 
@@ -122,17 +155,23 @@ def main() -> int:
     from engine.sequence import SamplingParams
     from serve_app.bench import _prompts
 
+    import torch
+
+    torch.set_num_threads(1)      # as the service's engine processes (an idle pool thread spins on its core)
     llm = demo_llm(args.device, "float32")
     ns = argparse.Namespace(prompt_file=str(REPO / "benchmarks" / "prompts" / "heldout.jsonl"), input_len=64,
                             output_len=args.output_len, min_requests=args.requests)
     prompts = _prompts(_bench_args("", "offline", args.concurrency, ns))
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     timed_loop(llm, prompts[:2 * args.concurrency], params, args.concurrency)        # warm-up
-    conditions = {"alone": lambda: _Nothing(), f"busy cores ({args.busy})": lambda: BusyCores(args.busy),
-                  f"thread ({args.burst_us:g} us / {args.gap_us:g} us)": lambda: BurstyThread(args.burst_us,
-                                                                                             args.gap_us)}
-    conditions = {name: make for (key, (name, make)) in zip(("alone", "busy", "thread"), conditions.items())
-                  if key in args.conditions}
+    conditions = {"alone": ("alone", lambda: _Nothing()),
+                  "busy": (f"busy cores ({args.busy})", lambda: BusyCores(args.busy)),
+                  "thread": (f"thread ({args.burst_us:g} us / {args.gap_us:g} us)",
+                             lambda: BurstyThread(args.burst_us, args.gap_us)),
+                  "pinned": (f"pinned (cpu {args.pin_cpu})", lambda: Pinned(args.pin_cpu)),
+                  "busy-pinned": (f"busy cores ({args.busy}), pinned (cpu {args.pin_cpu})",
+                                  lambda: Pinned(args.pin_cpu, args.busy))}
+    conditions = dict(conditions[key] for key in CONDITIONS if key in args.conditions)
     rows = []
     for repeat in range(args.repeats):
         base = None

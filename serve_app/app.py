@@ -32,8 +32,10 @@ def _engine_options(settings: DeploymentSettings, service: ServiceConfig, tp_siz
             [{"GPU": 1}] * (tp_size - 1)
         options["placement_group_strategy"] = "STRICT_PACK"
         options["ray_actor_options"]["num_gpus"] = 0
+    # (The engine processes and KV managers a replica starts inherit its environment.)
     options["ray_actor_options"]["runtime_env"] = {"env_vars": {
-        "OMP_NUM_THREADS": str(service.model.num_threads), "TOKENIZERS_PARALLELISM": "false", **log_env()}}
+        "OMP_NUM_THREADS": str(service.model.num_threads), "TOKENIZERS_PARALLELISM": "false", **log_env(),
+        **service.process_env()}}
     # Streams outlive Serve's default graceful-shutdown wait; let replicas finish them when scaling down.
     options["graceful_shutdown_timeout_s"] = 20.0
     options["graceful_shutdown_wait_loop_s"] = 0.5
@@ -49,7 +51,8 @@ def build_service(service: ServiceConfig) -> Application:
     args = service.model_dump(mode="json")
     ingress_options = service.ingress.serve_options()
     # The level set where the app is built, also on a cluster started without it (env_vars add to the job's).
-    passed = {"runtime_env": {"env_vars": log_env()}} if log_env() else {}
+    env = {**log_env(), **service.process_env()}
+    passed = {"runtime_env": {"env_vars": env}} if env else {}
     ingress_options["ray_actor_options"].update(passed)
     # Part of the application: it is deleted with it (nothing outlives `serve shutdown`).
     hub = serve.deployment(MetricsHub, name="MetricsHub").options(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -171,6 +171,10 @@ class ServiceConfig(_Strict):
     # of that ingress's requests (``actors/sink.py``); off, or across nodes, each chunk goes through its replica's
     # Serve stream. Serve still routes, counts and cancels every request either way.
     direct_chunks: bool = True
+    # Cores of their own for the engine processes, per node: each binds to one of these that no other engine
+    # process there holds, and every other process of the service binds to the node's other cores
+    # (``actors/cpus.py``; ``benchmarks/cpu_interference.py`` shows which cores slow each other). None: no binding.
+    engine_cpus: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
     max_concurrent_requests: int = Field(256, ge=1)  # choices (prompts x n) per ingress replica; beyond: 429
     max_request_bytes: int = Field(1 << 20, ge=1024)  # a larger request body is refused (413) unread
     # Clients must send "Authorization: Bearer <key>" on /v1/* when a key is set (here or, better, kept out of
@@ -180,6 +184,18 @@ class ServiceConfig(_Strict):
     # Replicas and ingresses report to the MetricsHub this often (each report is a Serve call: at 1 s an idle
     # service spends a few percent of a core on them); /health notices a silent replica after 3 missed reports.
     metrics_report_interval_s: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _distinct_engine_cpus(self):
+        if self.engine_cpus is not None and len(set(self.engine_cpus)) != len(self.engine_cpus):
+            raise ValueError(f"engine_cpus names a core twice: {self.engine_cpus}")
+        return self
+
+    def process_env(self) -> dict[str, str]:
+        """Environment variables every process of the service gets (beside the logging ones)."""
+        from actors.cpus import ENV, format_cpus
+
+        return {ENV: format_cpus(self.engine_cpus)} if self.engine_cpus else {}
 
     def engine_roles(self) -> tuple[str, ...]:
         return ("aggregated",) if self.mode == "aggregated" else ("prefill", "decode")

@@ -33,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from actors.cpus import leave_engine_cpus
 from actors.logs import configure_actor_logging
 from actors.sink import ChunkSink
 from actors.worker import freeze_heap
@@ -313,6 +314,7 @@ class Choice:
 class Ingress:
     def __init__(self, service: dict, hub, **backends):
         configure_actor_logging()
+        leave_engine_cpus()
         self.service = ServiceConfig.model_validate(service)
         self.model_name = self.service.model.name
         self.metrics = ServiceMetrics(self.model_name, ("aggregated",) if self.service.mode == "aggregated"

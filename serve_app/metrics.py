@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from actors.cpus import leave_engine_cpus
 from actors.logs import configure_actor_logging
 
 # ``_created`` samples are timestamps: they cannot be summed over ingress replicas.
@@ -44,6 +45,7 @@ class MetricsHub:
 
     def __init__(self, clock=time.monotonic):
         configure_actor_logging()
+        leave_engine_cpus()
         self._clock = clock
         self._snapshots: dict[str, tuple[float, dict]] = {}
 

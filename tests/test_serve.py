@@ -814,6 +814,19 @@ def test_the_bench_client_takes_acceptance_from_the_responses_usage(server):
     assert (spec["num_drafts"], spec["accepted_tokens"]) == (after[0] - before[0], after[1] - before[1])
 
 
+def test_the_bench_clients_sse_reader_keeps_split_lines_whole():
+    """The load client reads SSE from raw network reads: a line split across reads is parsed once whole, CRLF and
+    LF both end lines, ``[DONE]`` and non-data lines are skipped, and what has no line end yet waits."""
+    from serve_app.bench import _sse_data
+
+    buffer = bytearray()
+    reads = [b'data: {"a":', b' 1}\r\n\r\ndata: {"b": 2}\n', b"\n: keep-alive\n\ndata:{\"c\"", b": 3}\n\n",
+             b"data: [DONE]\n\n", b'data: {"d": 4}']
+    got = [bytes(p) for data in reads for p in _sse_data(buffer, data)]
+    assert got == [b'{"a": 1}', b'{"b": 2}', b'{"c": 3}']
+    assert bytes(buffer) == b'data: {"d": 4}'
+
+
 def test_the_bench_client_splits_its_load_over_processes(server):
     """``--client-processes``: the requests and the concurrency are shared out (none lost, none twice), every
     process's requests complete, and the run reports one summary over all of them."""
