@@ -248,15 +248,15 @@ def throughput(urls: dict[str, str], concurrencies: list[int], repeats: int, out
     ns = argparse.Namespace(prompt_file=str(REPO / "benchmarks" / "prompts" / "heldout.jsonl"), input_len=64,
                             output_len=output_len, min_requests=min_requests, client_processes=client_processes)
     for concurrency in concurrencies:          # warm-up, not counted: kernels compile for new batch shapes
-        for name in ("agg", "disagg"):
+        for name in urls:
             bench(_bench_args(urls[name], f"{name}-warm-up", concurrency, ns))
     summaries = []
     for _repeat, concurrency in [(r, c) for r in range(repeats) for c in concurrencies]:
-        for name in ("agg", "disagg"):
+        for name in urls:
             summaries.append(measured_run(urls[name], _bench_args(urls[name], name, concurrency, ns),
                                           REPORT_INTERVAL_S))
     if profiles is not None:
-        for name in ("agg", "disagg"):
+        for name in urls:
             with ProfiledHosts() as p:
                 bench(_bench_args(urls[name], f"{name}-profiled", max(concurrencies), ns))
             profiles += [{**r, "label": f"{name}: {r['label']}"} for r in p.reports if r["steps"]]
@@ -503,6 +503,8 @@ def main() -> int:
                         "on off; default: the config's)")
     p.add_argument("--cuda-graphs", nargs="+", default=None, choices=["auto", "on", "decode", "off"],
                    help="throughput: with the engines' cuda_graphs set so, each in turn (default: the config's)")
+    p.add_argument("--apps", nargs="+", default=["agg", "disagg"], choices=["agg", "disagg"],
+                   help="throughput alone: the applications to load (agg alone needs no NIXL)")
     p.add_argument("--engine-cpus", nargs="+", default=None, metavar="LIST",
                    help="throughput: with the service's engine_cpus so (off, or cores like 0,1,2; the load client "
                         "keeps off them too), each in turn (default: the config's)")
@@ -574,20 +576,24 @@ def main() -> int:
                 apps = {"agg": app_args("aggregated", dtype, args.device, 0.2, **first),
                         "disagg": app_args("disaggregated", dtype, args.device, 0.2, **first),
                         "ablate": app_args("disaggregated", dtype, args.device, 0.2, transfer_draft_kv=False)}
+                if "service" not in args.parts:     # throughput alone: the applications --apps names
+                    apps = {name: apps[name] for name in args.apps}
                 urls = deploy(apps, port)
                 if "service" in args.parts:
                     result.setdefault("service", {})[dtype] = invariants(urls, heldout(args.num_prompts), args.max_tokens)
                     print(dtype, json.dumps(result["service"][dtype]), flush=True)
                     save(out, result)
                 if "throughput" in args.parts and dtype == args.dtypes[0]:
-                    serve.delete("ablate")
+                    for name in set(urls) - set(args.apps):
+                        serve.delete(name)
+                    urls = {name: urls[name] for name in args.apps}
                     for n, variant in enumerate(variants):
                         if n:        # the same applications again, with this variant's settings
-                            for name in ("agg", "disagg"):
+                            for name in args.apps:
                                 serve.delete(name)
                             settings = {k: v for k, v in variant.items() if k != "client_processes"}
                             urls = deploy({name: app_args(apps[name]["mode"], dtype, args.device, 0.2, **settings)
-                                           for name in ("agg", "disagg")}, port)
+                                           for name in args.apps}, port)
                         with off_engine_cpus(variant.get("engine_cpus")):       # the load client too
                             batch = throughput(urls, args.concurrency, args.repeats, 64,
                                                variant.get("client_processes", 1), args.min_requests,
@@ -595,7 +601,7 @@ def main() -> int:
                         for summary in batch:
                             summary["variant"] = variant
                         summaries += batch
-                        if args.paired and not n:
+                        if args.paired and not n and len(urls) == 2:
                             from benchmarks.serve_bench import format_paired, paired
 
                             result["paired"] = paired(urls, argparse.Namespace(

@@ -226,6 +226,10 @@ def _ratios(summaries: list[dict], offline: list[dict], suffix: str = "") -> str
                 for name in ("agg", "disagg")}
         tput = {name: _median([s["output_throughput"] for s in rs]) for name, rs in runs.items()}
         ttft = {name: _median([s["ttft_s"]["p50"] for s in rs]) for name, rs in runs.items()}
+        if None in ttft.values():        # one application was not loaded
+            rows.append(f"| {c} | " + " | ".join("-" if tput[n] is None else f"{tput[n] / off:.2f}" for n in tput)
+                        + " | - | - | - |")
+            continue
         delta = (ttft["disagg"] - ttft["agg"]) * 1e3
         read = _median([s.get("mean_read_s") for s in runs["disagg"]])
         rows.append(f"| {c} | {tput['agg'] / off:.2f} | {tput['disagg'] / off:.2f} | {delta:.2f} | "
