@@ -62,9 +62,11 @@ def test_up_serves_until_sigint_and_leaves_no_ray_processes(tmp_path):
     try:
         wait_healthy(url, timeout_s=180)
         deadline = time.monotonic() + 30
-        while not any(f"at {url}" in line for line in lines):     # `up` printed its URL: it is serving
+        # `up` printed its URL and the rest of its banner (the logs' path, then "Ctrl-C to stop"): it is serving.
+        while not any("Ctrl-C to stop" in line for line in lines):
             assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)[-3000:]
             time.sleep(0.2)
+        assert any(f"at {url}" in line for line in lines), "".join(lines)[-3000:]
         r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 4}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         # Where the replicas' log lines went, as `up` says: each replica's line saying it is ready.
@@ -77,9 +79,13 @@ def test_up_serves_until_sigint_and_leaves_no_ray_processes(tmp_path):
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:      # a failed check: stop it as a user would, so Ray stops HAProxy (killed, `up`
+            proc.send_signal(signal.SIGINT)      # would leave it holding the ports the next tests' services need)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     reader.join(timeout=10)
     assert proc.returncode == 0, "".join(lines)[-3000:]
     deadline = time.monotonic() + 30
