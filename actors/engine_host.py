@@ -577,7 +577,8 @@ class EngineHost(RankWorker):
             def finish(e: LLMEngine) -> None:
                 try:
                     out = e.finish_transfer(request_id, error is None, draft_context=draft_context,
-                                            first_token=handoff.first_token, first_logprob=handoff.first_logprob)
+                                            first_token=handoff.first_token, first_logprob=handoff.first_logprob,
+                                            sampler_state=handoff.sampler_state)
                 except ValueError as bad:      # the pages are freed; the request's stream is told
                     out = bad
                 stats["start_s"] = time.perf_counter() - read_at

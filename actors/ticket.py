@@ -68,6 +68,7 @@ class Handoff:
     first_token: int
     first_logprob: TokenLogprob | None
     rank_infos: list[str]
+    sampler_state: bytes | None = None     # a seeded request's generator after the prefill's draw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +89,7 @@ class Ticket:
     first_logprob: TokenLogprob | None = None    # the first token's entry, when params.logprobs is set
     timing: dict | None = None     # the prefill engine's RequestTiming (its queue and prefill times)
     hold_s: float = 30.0           # how long the prefill ranks hold the pages unread (``renew`` restarts it)
+    sampler_state: bytes | None = None     # a seeded request's generator after the prefill's draw
 
     def first_chunk(self) -> dict:
         """The first token as a chunk, sent while the KV moves (only when ``first_text`` is not None)."""
@@ -123,7 +125,7 @@ class Ticket:
 
     def handoff(self) -> Handoff:
         """What a decode take-over standing by for this request needs from its ticket."""
-        return Handoff(self.pages(), self.first_token, self.first_logprob, list(self.rank_infos))
+        return Handoff(self.pages(), self.first_token, self.first_logprob, list(self.rank_infos), self.sampler_state)
 
     def cancel(self) -> None:
         """Give the held pages back now (the request will not be decoded). Safe to call from a request that
@@ -144,14 +146,15 @@ class Ticket:
 def handover(request_id: str, prompt_token_ids: list[int], params: SamplingParams, num_pages: int,
               e: LLMEngine, out: RequestOutput):
     """On the prefill engine's thread as the finished output is handed over: what a ticket needs from the engine
-    (the pages' tables, the first token's text), or None when the request ends here."""
+    (the pages' tables, the first token's text, a seeded request's sampler state), or None when the request ends
+    here."""
     # Only the max_tokens=1 of this side stops a request that goes on to decode.
     if out.finish_reason != "length" or params.max_tokens == 1:
         return None
     try:
         e.sync_ranks()      # ranks > 0 have written their draft layers too before anyone READs them
         return ([e.kv.block_table(request_id, s)[:num_pages] for s in range(len(e.kv.pools))],
-                e.first_text_delta(prompt_token_ids, params, out.token_ids[0]))
+                e.first_text_delta(prompt_token_ids, params, out.token_ids[0]), e.sampler_state(request_id))
     except Exception:
         e.release(request_id)        # its stream gets the error: nothing is held for it
         raise
@@ -169,15 +172,15 @@ class PrefillOffer:
     hold_s: float
 
     def issue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, chunk: dict,
-              handed: tuple[list[list[int]], str | None], prefill_s: float) -> Ticket:
+              handed: tuple[list[list[int]], str | None, bytes | None], prefill_s: float) -> Ticket:
         """The ticket of a prefill whose finishing output is ``chunk`` (its first token) and whose ``_handover``
         gave ``handed``, under fresh leases (one per rank; the issuer sends the holds)."""
-        tables, first_text = handed
+        tables, first_text, sampler_state = handed
         leases = [f"{request_id}#{uuid.uuid4().hex[:8]}" for _ in self.peer_agents]
         return Ticket(request_id, list(prompt_token_ids), params, chunk["token_ids"][0], tables, leases,
                       list(self.peer_agents), list(self.rank_infos), first_text, chunk["num_cached_tokens"],
                       prefill_s, chunk["logprobs"][0] if chunk.get("logprobs") else None, chunk.get("timing"),
-                      self.hold_s)
+                      self.hold_s, sampler_state)
 
 
 def send_holds(links: Sequence, ticket: Ticket) -> None:

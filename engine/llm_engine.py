@@ -467,8 +467,8 @@ class LLMEngine:
                              f"prefill output (token {first_token}), got {first_logprob!r}")
 
     def finish_transfer(self, request_id: str, landed: bool, draft_context: bool = True,
-                        first_token: int | None = None, first_logprob: TokenLogprob | None = None
-                        ) -> RequestOutput | None:
+                        first_token: int | None = None, first_logprob: TokenLogprob | None = None,
+                        sampler_state: bytes | None = None) -> RequestOutput | None:
         """The READ into a TRANSFERRING request's pages has ended: start decoding it in the next step.
 
         ``landed=False`` (the READ failed) or an abort that came while the READ ran frees the pages now,
@@ -478,6 +478,9 @@ class LLMEngine:
         from that empty context (the ablation).
         ``first_token`` (and ``first_logprob``): the prefill's first token, for a request reserved without it; a
         bad one (or none for such a request) frees the pages and raises ValueError.
+        ``sampler_state``: a seeded request's generator as the prefill left it (``sampler_state``), so that its draws
+        go on where the prefill's stopped, as in an engine that ran the whole request; one this engine's generator
+        cannot take frees the pages and raises ValueError.
         """
         r = self.requests.get(request_id)
         if r is None or r.status != RequestStatus.TRANSFERRING:
@@ -490,6 +493,8 @@ class LLMEngine:
                                      "reservation or at the end of its transfer")
                 if first_token is not None:
                     self.check_first_token(r.params, first_token, first_logprob)
+                if sampler_state is not None and r.generator is not None:
+                    _set_generator_state(r.generator, sampler_state)
             except ValueError as e:
                 bad = e
         if not landed or r.abort_after_transfer or bad is not None:
@@ -1030,6 +1035,15 @@ class LLMEngine:
             return "length"
         return None
 
+    def sampler_state(self, request_id: str) -> bytes | None:
+        """A seeded request's generator state (None for an unseeded one): what a decode peer's ``finish_transfer``
+        takes to go on drawing where this engine stopped. No device sync: a device generator's state is its seed
+        and offset, kept on the host."""
+        request = self.requests.get(request_id)
+        if request is None or request.generator is None:
+            return None
+        return request.generator.get_state().numpy().tobytes()
+
     def first_text_delta(self, prompt_token_ids: Sequence[int], params: SamplingParams, first_token: int
                          ) -> str | None:
         """The ``text_delta`` of the first output of a request whose first token is ``first_token`` (what a
@@ -1097,3 +1111,13 @@ def _find_stop(text: str, stops: Sequence[str], start: int = 0) -> tuple[int, st
         return None
     begin, _, stop = min(hits)
     return begin, stop
+
+
+def _set_generator_state(generator: torch.Generator, state: bytes) -> None:
+    """``generator.set_state`` from ``LLMEngine.sampler_state``'s bytes; ValueError when it is not a state of this
+    kind of generator (another device type, or not a state at all)."""
+    try:
+        generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"the prefill's sampler state ({len(state)} bytes) does not fit this engine's "
+                         f"{generator.device.type} generator: {e}") from None

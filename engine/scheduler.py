@@ -88,15 +88,28 @@ class Scheduler:
         room = budget if self.max_model_len is None else min(budget, self.max_model_len - request.num_tokens)
         return max(0, min(self.num_spec_tokens, room))
 
+    @staticmethod
+    def _to_compute(request: Request, computed: int) -> int:
+        """The tokens a row of ``request`` computes when ``computed`` are in the cache: all the rest, but a
+        recompute after preemption stops short of the last token, which then goes as a decode row with its drafts,
+        as it would have without the preemption. So a seeded request draws the same numbers either way, and its
+        output does not depend on the load (greedy output never does)."""
+        left = request.num_tokens - computed
+        return left - 1 if left > 1 and request.output_token_ids else left
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        # In the order they came: a request still computing its prompt (or a recompute) came after every row that
+        # decodes, as it takes the whole budget until its last chunk, so it never takes what a decode row's drafts
+        # need. A request's drafts a step (and a seeded request's draws) depend on the load only where the decode rows
+        # alone exceed the budget.
         for request in list(self.running):
             if budget <= 0:
                 break
             if request not in self.running:      # preempted earlier in this loop
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(self._to_compute(request, request.num_computed_tokens), budget)
             while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -113,7 +126,7 @@ class Scheduler:
             request = self.waiting[0]
             prefix = self.kv.probe_prefix(request.history) if request.num_computed_tokens == 0 else None
             cached = prefix.num_tokens if prefix else 0
-            num_new = min(request.num_tokens - cached, budget)
+            num_new = min(self._to_compute(request, cached), budget)
             if not self.kv.allocate_slots(request.request_id, cached + num_new, prefix):
                 break
             self.waiting.popleft()

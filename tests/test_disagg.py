@@ -131,6 +131,19 @@ def test_disaggregated_equals_aggregated_on_tiny_pair(tiny):
     assert all(len(o.token_ids) == 24 for o in disagg)
 
 
+def test_seeded_sampling_disaggregated_equals_aggregated(tiny):
+    """A seeded request's first token is drawn on the prefill side and the rest on the decode side, which goes on
+    from the prefill's generator state (in the ticket): the output is the aggregated one, token for token."""
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+    reqs = [(f"seeded-{i}", list(p), params) for i, p in enumerate(TINY_PROMPTS)]
+    agg = tiny.generate(reqs)
+    disagg, _ = run_disaggregated(tiny.prefill, tiny.decode, reqs)
+    assert [o.token_ids for o in disagg] == [o.token_ids for o in agg]
+    assert [o.token_ids for o in agg] != [o.token_ids for o in tiny.generate(
+        [(f"other-{i}", p, SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=12, ignore_eos=True))
+         for i, (_, p, _) in enumerate(reqs)])]          # the seed decides the draws
+
+
 def digests(replica, tables, owners=("target", "draft")):
     return {o: ray.get(replica.handle.page_digest.remote(tables, (o,))) for o in owners}
 

@@ -392,16 +392,23 @@ def copy_pages(src_engine, src_id, dst_engine, dst_id, num_tokens):
             dst_group.buffer[dst] = src_group.buffer[src]
 
 
-def test_disaggregated_first_token_carries_its_logprob(tiny_target, drafter_dir, spec):
-    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2, frequency_penalty=1.0)
-    prompt = PROMPTS[2]
-    whole = spec.generate([prompt], params)[0]
+def prefilled(tiny_target, drafter_dir, prompt, params):
+    """A prefill engine that computed ``prompt`` and holds its pages (its first token drawn), and a fresh decode
+    engine: ``(prefill, decode, held request, first output)``."""
     prefill = LLM(tiny_target, draft=drafter_dir, page_size=4).engine
     decode = LLM(tiny_target, draft=drafter_dir, page_size=4).engine
     held = prefill.add_request(prompt, SamplingParams(**{**params.__dict__, "max_tokens": 1}), hold_pages=True)
     first = None
     while prefill.has_unfinished():
         first = prefill.step()[-1]
+    return prefill, decode, held, first
+
+
+def test_disaggregated_first_token_carries_its_logprob(tiny_target, drafter_dir, spec):
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2, frequency_penalty=1.0)
+    prompt = PROMPTS[2]
+    whole = spec.generate([prompt], params)[0]
+    prefill, decode, held, first = prefilled(tiny_target, drafter_dir, prompt, params)
     assert first.token_ids == whole.token_ids[:1] and len(first.logprobs) == 1
     assert_same_logprobs(first.logprobs, whole.logprobs[:1])
     with pytest.raises(ValueError, match="first_logprob"):
@@ -440,3 +447,34 @@ def test_a_logits_state_made_in_inference_mode_counts_tokens_outside_it():
         state = LogitsState(SamplingParams(presence_penalty=0.5, max_tokens=4), [1, 2], 10, [0], torch.device("cpu"))
     state.add([1, 2, 2])
     assert not state.counts.is_inference() and state.counts.tolist() == [0, 1, 2] + [0] * 7
+
+
+def test_a_seeded_request_goes_on_from_the_prefill_engines_generator(tiny_target, drafter_dir, spec):
+    """The decode engine takes the prefill engine's generator state with the first token, so a seeded request's
+    draws go on where the prefill's stopped: the output of one engine. A state its generator cannot take is
+    refused like a bad first token, and its pages are freed."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.95, seed=5)
+    prompt = PROMPTS[2]
+    whole = spec.generate([prompt], params)[0]
+    prefill, decode, held, first = prefilled(tiny_target, drafter_dir, prompt, params)
+    assert first.token_ids == whole.token_ids[:1]
+    state = prefill.sampler_state(held.request_id)
+    assert state is not None and prefill.sampler_state("nobody") is None
+    bad = decode.reserve_transfer(prompt, None, params)
+    with pytest.raises(ValueError, match="sampler state"):
+        decode.finish_transfer(bad.request_id, True, first_token=first.token_ids[0], sampler_state=b"\0" * 7)
+    assert decode.kv.pages_in_use() == 0 and bad.request_id not in decode.requests
+
+    def decoded(sampler_state):
+        r = decode.reserve_transfer(prompt, None, params)
+        copy_pages(prefill, held.request_id, decode, r.request_id, len(prompt))
+        decode.finish_transfer(r.request_id, True, first_token=first.token_ids[0], sampler_state=sampler_state)
+        out = None
+        while decode.has_unfinished():
+            out = decode.step()[-1]
+        return out.token_ids
+
+    assert decoded(state) == whole.token_ids
+    assert decoded(None) != whole.token_ids       # a fresh generator repeats the prefill's draw: another output
+    prefill.release(held.request_id)
+    assert decode.kv.pages_in_use() == 0 and prefill.kv.pages_in_use() == 0

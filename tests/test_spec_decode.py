@@ -503,6 +503,26 @@ def test_seeded_speculative_sampling_is_reproducible(tiny_target, drafter_dir):
     assert [o.token_ids for o in a] != [o.token_ids for o in other]
 
 
+def test_a_seeded_request_preempted_and_recomputed_draws_as_it_would_alone(tiny_target, drafter_dir):
+    """Preemption must not change a seeded request's output: its recompute stops short of the last token, which
+    goes as a decode row with its drafts, as it would have unpreempted (a recompute that sampled that token
+    instead would draw other numbers than the speculative step it replaces)."""
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_k=20, top_p=0.9, seed=7, ignore_eos=True)
+    alone = LLM(tiny_target, draft=drafter_dir, page_size=4).generate([PROMPTS[0]], params)[0]
+    llm = LLM(tiny_target, draft=drafter_dir, page_size=4, num_pages=14, max_num_batched_tokens=64,
+              enable_prefix_caching=False)
+    engine = llm.engine
+    prompts = [PROMPTS[1], PROMPTS[3], PROMPTS[5]]
+    others = [engine.add_request(p, GREEDY) for p in prompts]
+    seeded = engine.add_request(PROMPTS[0], params)       # the newest: the first one preempted
+    while engine.has_unfinished():
+        engine.step()
+    assert seeded.num_preemptions > 0
+    assert seeded.output_token_ids == alone.token_ids
+    assert [r.output_token_ids for r in others] == [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert engine.kv.pages_in_use() == 0
+
+
 @pytest.mark.parametrize("shared", ["on", "off"])
 def test_prefix_reuse_with_drafter(tiny_target, drafter_dir, reference, shared):
     llm = LLM(tiny_target, draft=drafter_dir, page_size=4, shared_draft_kv=shared)
