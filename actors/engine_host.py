@@ -693,9 +693,10 @@ class EngineHost(RankWorker):
         return await self.loop.call(lambda _: RankWorker.page_digest(self, tables, owners))
 
     async def gauges(self) -> dict:
-        """Batch sizes, pages in use per pool (with its owners) and the engine loop's time (``LoopStats``), for the
-        replica's metrics report."""
-        gauges = await self.loop.call(lambda e: {**engine_gauges(e), "loop": self.loop.stats.snapshot()})
+        """Batch sizes, pages in use per pool (with its owners) and the engine loop's time (``LoopStats``) and
+        preemptions, for the replica's metrics report."""
+        gauges = await self.loop.call(lambda e: {**engine_gauges(e), "loop": {**self.loop.stats.snapshot(),
+                                                                              "preemptions": e.scheduler.num_preemptions}})
         gauges["awaiting_transfer"] = len(self._taking)
         gauges["stand_bys"] = self._stand_bys
         return gauges

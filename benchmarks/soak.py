@@ -210,6 +210,9 @@ class Soak:
         if status != 200 or not isinstance(answer, Answer):
             self.fail(f"{what}: HTTP {status} {answer!s:.300}")
             return
+        if answer != ref and probe.seed is not None and self.args.lenient_seeded:
+            self.outcomes["probe: seeded, differs from alone (counted, --lenient-seeded)"] += 1
+            return
         if answer != ref:
             same = next((i for i, (a, b) in enumerate(zip(answer.text, ref.text)) if a != b),
                         min(len(answer.text), len(ref.text)))
@@ -268,6 +271,10 @@ def main() -> int:
     p.add_argument("--settle-s", type=float, default=30.0,
                    help="how long the gauges may take to come back to 0 after the load")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lenient-seeded", action="store_true",
+                   help="count a seeded probe that differs from its answer alone instead of failing: with an FP8 KV "
+                        "cache a float-level difference (which computation wrote a page) can flip a near-tied draw "
+                        "(benchmarks/README.md, Soak); greedy probes stay strict")
     args = p.parse_args()
     url = args.url.rstrip("/")
     model_card = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]

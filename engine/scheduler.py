@@ -56,6 +56,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0        # since start (the service's dflash_num_preemptions_total)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -79,6 +80,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_draft_context = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def _num_drafts(self, request: Request, budget: int) -> int:

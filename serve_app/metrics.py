@@ -315,6 +315,8 @@ LOOP_COUNTERS = (
     ("dflash_engine_thread_cpu_seconds", "CPU time of the engine threads", "thread_cpu_s", False),
     ("dflash_engine_process_cpu_seconds", "CPU time of the engines' processes (the engine thread and the rest)",
      "process_cpu_s", False),
+    ("dflash_num_preemptions", "Requests preempted by recompute when an engine's KV pages ran out (each recomputes "
+                               "its prompt and output so far)", "preemptions", False),
 )
 
 

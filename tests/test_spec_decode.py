@@ -518,6 +518,7 @@ def test_a_seeded_request_preempted_and_recomputed_draws_as_it_would_alone(tiny_
     while engine.has_unfinished():
         engine.step()
     assert seeded.num_preemptions > 0
+    assert engine.scheduler.num_preemptions == sum(r.num_preemptions for r in others + [seeded])
     assert seeded.output_token_ids == alone.token_ids
     assert [r.output_token_ids for r in others] == [o.token_ids for o in llm.generate(prompts, GREEDY)]
     assert engine.kv.pages_in_use() == 0
