@@ -84,8 +84,10 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _num_drafts(self, request: Request, budget: int) -> int:
-        """Drafts for a decode row: as many as the budget allows, none past the model's context."""
-        if request.num_tokens - request.num_computed_tokens != 1:
+        """Drafts for a decode row: as many as the budget allows, none past the model's context. None for a
+        request's first token, even where the prefix cache left one prompt token to compute: the first token is
+        drawn as from a whole prompt, so a seeded request draws alike whatever the cache holds."""
+        if request.num_tokens - request.num_computed_tokens != 1 or not request.output_token_ids:
             return 0
         room = budget if self.max_model_len is None else min(budget, self.max_model_len - request.num_tokens)
         return max(0, min(self.num_spec_tokens, room))

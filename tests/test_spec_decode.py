@@ -524,6 +524,18 @@ def test_a_seeded_request_preempted_and_recomputed_draws_as_it_would_alone(tiny_
     assert engine.kv.pages_in_use() == 0
 
 
+def test_a_seeded_request_draws_alike_whatever_the_prefix_cache_holds(tiny_target, drafter_dir):
+    """A prompt one token past a page boundary, seeded: the second time the prefix cache leaves one token to compute,
+    a row shaped like a decode row. It must not take drafts (its first token would be drawn by rejection sampling
+    instead of as from a whole prompt), so both answers are the same."""
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_k=20, top_p=0.9, seed=9, ignore_eos=True)
+    llm = LLM(tiny_target, draft=drafter_dir, page_size=4)
+    prompt = PROMPTS[2][:13]                 # 3 full pages and one token
+    cold, warm = llm.generate([prompt], params)[0], llm.generate([prompt], params)[0]
+    assert (cold.num_cached_tokens, warm.num_cached_tokens) == (0, 12)
+    assert warm.token_ids == cold.token_ids
+
+
 @pytest.mark.parametrize("shared", ["on", "off"])
 def test_prefix_reuse_with_drafter(tiny_target, drafter_dir, reference, shared):
     llm = LLM(tiny_target, draft=drafter_dir, page_size=4, shared_draft_kv=shared)
