@@ -272,8 +272,8 @@ def main() -> int:
                    help="how long the gauges may take to come back to 0 after the load")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lenient-seeded", action="store_true",
-                   help="count a seeded probe that differs from its answer alone instead of failing: with an FP8 KV "
-                        "cache a float-level difference (which computation wrote a page) can flip a near-tied draw "
+                   help="count a seeded probe that differs from its answer alone instead of failing: without "
+                        "batch-invariant kernels a float-level difference can flip a near-tied draw "
                         "(benchmarks/README.md, Soak); greedy probes stay strict")
     args = p.parse_args()
     url = args.url.rstrip("/")
