@@ -16,6 +16,15 @@
 Then, with the load stopped: the KV pages in use on every replica must come back to 0 (within ``--settle-s``), no
 request may be left running or waiting, and ``/health`` must answer. Exits 1 when any check failed, with the first
 failures printed; prints requests and outcomes by kind, and end-to-end latency percentiles.
+
+**Kills** (``--kill-every S``, the service on this host): meanwhile, every S seconds or so (once the service answers
+``/health`` again after the last), one of its processes is killed with SIGKILL, drawn from ``--kill-kinds``: an
+engine's process, a KV manager, a prefill or decode replica (an ingress too, if asked: its clients' connections
+drop). Then a request may also end in a clean error (an HTTP 5xx or a stream's error event, each with an OpenAI
+error object), but only one that overlapped a kill or the ``--recovery-s`` after it; a 200 must still be its answer
+alone, and a cut stream (unless an ingress was killed), a transport error or a request that outlasts
+``--request-timeout-s`` fails. After the load the service must have every replica back (as many as before it), the
+gauges must come back to 0, and each probe sent alone must give its answer alone again.
 """
 
 from __future__ import annotations
@@ -23,7 +32,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import re
+import signal
 import sys
 import time
 from collections import Counter
@@ -63,6 +75,41 @@ class Answer:
     finish_reason: str | None
     completion_tokens: int | None
     prompt_tokens: int | None
+
+
+# Process titles (Ray names a worker process ``ray::<actor class>[.<method>]``, a Serve replica's
+# ``ray::ServeReplica:<app>:<deployment>``) of the service's processes a kill may pick.
+KILLABLE = {"engine": ("ray::EngineHost",), "kv_manager": ("ray::KVManagerActor",),
+            "prefill": ("ray::ServeReplica:", ":PrefillServer"), "decode": ("ray::ServeReplica:", ":DecodeServer"),
+            "ingress": ("ray::ServeReplica:", ":Ingress")}
+
+
+def _victims(kinds: list[str]) -> list[tuple[int, str]]:
+    """(pid, kind) of this host's processes of those kinds."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            title = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        for kind in kinds:
+            prefix, *rest = KILLABLE[kind]
+            if title.startswith(prefix) and all(part in title for part in rest):
+                found.append((int(entry.name), kind))
+    return found
+
+
+def _error_message(answer: str) -> str:
+    """An error answer's message (digits as #, so that alike errors count together)."""
+    try:
+        text = json.loads(answer.removeprefix("stream error: "))
+        text = text.get("error", text).get("message", answer) if isinstance(text, dict) else answer
+    except (ValueError, AttributeError):
+        text = answer
+    text = re.sub(r" ?\(request [^)]*\)", "", str(text))
+    return "".join("#" if c.isdigit() else c for c in text)[:140]
 
 
 def _bad_bodies(model: str, context: int) -> list[dict]:
@@ -125,7 +172,7 @@ async def _request(session, url: str, body: dict) -> tuple[int, Answer | str]:
             for payload in _sse_data(buffer, data):
                 event = json.loads(payload)
                 if "error" in event:
-                    return 200, f"stream error: {event['error']}"
+                    return 200, f"stream error: {json.dumps(event['error'])}"
                 events.append(event)
         if not done:
             return 200, "stream ended without [DONE]"
@@ -142,6 +189,15 @@ class Soak:
         self.outcomes: Counter = Counter()
         self.failures: list[str] = []
         self.e2e: dict[str, list[float]] = {}
+        self.kills: list[tuple[float, str]] = []     # (perf_counter time, kind) of each kill
+        self.kill_failures: list[tuple[float, int, str]] = []   # (seconds after the last kill, status, message)
+
+    def near_kill(self, start: float, end: float) -> bool:
+        """Whether [start, end] overlapped a kill or the recovery time after one."""
+        return any(start <= k + self.args.recovery_s and k <= end for k, _ in self.kills)
+
+    def killed_ingress(self, start: float, end: float) -> bool:
+        return any(kind == "ingress" and start <= k <= end for k, kind in self.kills)
 
     def fail(self, what: str) -> None:
         self.outcomes["FAILED"] += 1
@@ -186,8 +242,10 @@ class Soak:
         start = time.perf_counter()
         if kind == "bad":
             body = self.rng.choice(self.bad)
-            status, answer = await _request(session, self.url, body)
+            status, answer = await self.request(session, body, start)
             ok = 400 <= status < 500 and isinstance(answer, str) and '"error"' in answer
+            if not ok and self.clean_failure(status, answer, start):
+                return
             self.outcomes[f"bad: {status}"] += 1
             if not ok:
                 self.fail(f"bad request {json.dumps(body)[:120]}: HTTP {status} {answer!s:.200}")
@@ -196,19 +254,20 @@ class Soak:
         body = probe.body(self.model, stream=self.rng.random() < 0.5)
         if kind == "cancel":
             try:
-                await asyncio.wait_for(_request(session, self.url, body), self.rng.uniform(0.005, 1.5))
+                await asyncio.wait_for(self.request(session, body, start), self.rng.uniform(0.005, 1.5))
                 self.outcomes["cancel: finished first"] += 1
             except asyncio.TimeoutError:
                 self.outcomes["cancel: cut"] += 1
             return
-        status, answer = await _request(session, self.url, body)
+        status, answer = await self.request(session, body, start)
         self.e2e.setdefault("stream" if body["stream"] else "unary", []).append(time.perf_counter() - start)
         ref = self.refs[probe]
         what = (f"{'chat' if probe.chat else 'completion'} probe ({len(probe.prompt)} characters, max_tokens "
                 f"{probe.max_tokens}, {'greedy' if probe.seed is None else f'seed {probe.seed}'}, "
                 f"{'streamed' if body['stream'] else 'unary'})")
         if status != 200 or not isinstance(answer, Answer):
-            self.fail(f"{what}: HTTP {status} {answer!s:.300}")
+            if not self.clean_failure(status, answer, start):
+                self.fail(f"{what}: HTTP {status} {answer!s:.300}")
             return
         if answer != ref and probe.seed is not None and self.args.lenient_seeded:
             self.outcomes["probe: seeded, differs from alone (counted, --lenient-seeded)"] += 1
@@ -222,6 +281,34 @@ class Soak:
             return
         self.outcomes["probe: same as alone"] += 1
 
+    async def request(self, session, body: dict, start: float) -> tuple[int, Answer | str]:
+        """``_request`` under ``--request-timeout-s`` (status 0: it ran out), a transport failure as status -1
+        while kills run (they can drop a connection)."""
+        try:
+            return await asyncio.wait_for(_request(session, self.url, body), self.args.request_timeout_s)
+        except asyncio.TimeoutError:
+            return 0, f"no answer within {self.args.request_timeout_s:g} s"
+        except Exception as e:
+            if not self.args.kill_every:
+                raise
+            return -1, f"{type(e).__name__}: {e}"
+
+    def clean_failure(self, status: int, answer, start: float) -> bool:
+        """Whether a request that did not get its answer ended as a kill allows: near a kill, with an HTTP 5xx or a
+        stream's error event carrying an OpenAI error object (a dropped connection or a cut stream only where an
+        ingress was killed). Counted as such."""
+        end = time.perf_counter()
+        if not self.args.kill_every or not isinstance(answer, str) or not self.near_kill(start, end):
+            return False
+        clean = (status >= 500 and '"error"' in answer) or (status == 200 and answer.startswith("stream error:"))
+        if not clean and not ((status == -1 or answer == "stream ended without [DONE]")
+                              and self.killed_ingress(start, end)):
+            return False
+        self.outcomes[f"failed near a kill: {status if status > 0 else 'connection'}"] += 1
+        after = max((k for k, _ in self.kills if k <= end), default=end)
+        self.kill_failures.append((end - after, status, _error_message(answer)))
+        return True
+
     async def load(self, session) -> float:
         deadline = time.monotonic() + self.args.seconds
 
@@ -233,8 +320,53 @@ class Soak:
                     self.fail(f"{type(e).__name__}: {e}")
 
         start = time.monotonic()
-        await asyncio.gather(*(worker() for _ in range(self.args.concurrency)))
+        workers = [worker() for _ in range(self.args.concurrency)]
+        if self.args.kill_every:
+            workers.append(self.killer(session, deadline))
+        await asyncio.gather(*workers)
         return time.monotonic() - start
+
+    async def killer(self, session, deadline: float) -> None:
+        """SIGKILL one of the service's processes every ``--kill-every`` seconds or so, each once ``/health``
+        answers 200 again after the one before, none in the load's last ``--recovery-s``."""
+        while True:
+            await asyncio.sleep(self.args.kill_every * self.rng.uniform(0.5, 1.5))
+            while time.monotonic() < deadline - self.args.recovery_s:
+                async with session.get(f"{self.url}/health") as r:
+                    if r.status == 200:
+                        break
+                await asyncio.sleep(1.0)
+            if time.monotonic() >= deadline - self.args.recovery_s:
+                return
+            victims = _victims(self.args.kill_kinds)
+            if not victims:
+                self.fail(f"no process of {self.args.kill_kinds} to kill on this host (is the service local?)")
+                return
+            pid, kind = self.rng.choice(victims)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            self.kills.append((time.perf_counter(), kind))
+            print(f"{time.strftime('%H:%M:%S')} killed a {kind} process ({pid})", flush=True)
+
+    async def recovered(self, session, replicas: dict[str, float]) -> None:
+        """After kills: every replica back (as many per role as before the load) within ``--recovery-s``, then
+        each probe sent alone gives its answer alone."""
+        deadline = time.monotonic() + self.args.recovery_s
+        while (now := _replicas(self.url)) != replicas or \
+                httpx.get(f"{self.url}/health", timeout=30).status_code != 200:
+            if time.monotonic() > deadline:
+                self.fail(f"{self.args.recovery_s:g} s after the load: replicas {now}, before it {replicas}")
+                return
+            await asyncio.sleep(1.0)
+        for probe, ref in self.refs.items():
+            status, answer = await _request(session, self.url, probe.body(self.model, stream=False))
+            if answer != ref:
+                self.fail(f"after the kills, a {len(probe.prompt)}-character probe alone: HTTP {status} "
+                          f"{answer!s:.200} against {ref.text[:60]!r}")
+            else:
+                self.outcomes["probe after the kills: same as alone"] += 1
 
 
 def _gauges(url: str) -> dict[str, float]:
@@ -247,6 +379,18 @@ def _gauges(url: str) -> dict[str, float]:
             if s.name in sums:
                 sums[s.name] += s.value
     return sums
+
+
+def _replicas(url: str) -> dict[str, float]:
+    """Healthy engine replicas per role, as the ingress reports them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for s in family.samples:
+            if s.name == "dflash_num_replicas":
+                found[s.labels["role"]] = found.get(s.labels["role"], 0.0) + s.value
+    return found
 
 
 def settle(url: str, seconds: float) -> tuple[bool, dict[str, float]]:
@@ -275,20 +419,33 @@ def main() -> int:
                    help="count a seeded probe that differs from its answer alone instead of failing: without "
                         "batch-invariant kernels a float-level difference can flip a near-tied draw "
                         "(benchmarks/README.md, Soak); greedy probes stay strict")
+    p.add_argument("--kill-every", type=float, default=0.0, metavar="S",
+                   help="SIGKILL one of the service's processes (on this host) every S seconds or so; 0: none")
+    p.add_argument("--kill-kinds", nargs="+", choices=sorted(KILLABLE),
+                   default=["engine", "kv_manager", "prefill", "decode"], help="which processes a kill may pick")
+    p.add_argument("--recovery-s", type=float, default=90.0,
+                   help="with kills: how long after one a request may fail, and the service may take to recover")
+    p.add_argument("--request-timeout-s", type=float, default=300.0, help="a request taking longer fails")
     args = p.parse_args()
     url = args.url.rstrip("/")
     model_card = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]
     soak = Soak(args, model_card["id"], model_card.get("max_model_len") or 2048)
 
+    replicas = _replicas(url)
+
     async def run() -> float:
         async with client_session(600) as session:
             await soak.references(session)
-            return await soak.load(session)
+            duration = await soak.load(session)
+            if soak.kills:
+                await soak.recovered(session, replicas)
+            return duration
 
     duration = asyncio.run(run())
-    settled, gauges = settle(url, args.settle_s)
+    settle_s = max(args.settle_s, 60.0) if soak.kills else args.settle_s     # a dead reader's holds time out (30 s)
+    settled, gauges = settle(url, settle_s)
     if not settled:
-        soak.fail(f"after {args.settle_s:g} s without load: {gauges}")
+        soak.fail(f"after {settle_s:g} s without load: {gauges}")
     health = httpx.get(f"{url}/health", timeout=30)
     if health.status_code != 200:
         soak.fail(f"/health: HTTP {health.status_code} {health.text[:200]}")
@@ -297,6 +454,16 @@ def main() -> int:
     lengths = [a.prompt_tokens for a in soak.refs.values()] or [0]
     print(f"{total} requests in {duration:.0f} s, {args.concurrency} at a time; {len(soak.probes)} probes of "
           f"{min(lengths)}-{max(lengths)} prompt tokens (context {soak.context})")
+    if args.kill_every:
+        print(f"{len(soak.kills)} processes killed: " + ", ".join(f"{kind} {k - soak.kills[0][0]:+.0f} s"
+                                                                 for k, kind in soak.kills))
+        errors = Counter((status, message) for _, status, message in soak.kill_failures)
+        if errors:
+            late = sorted(after for after, _, _ in soak.kill_failures)
+            print(f"requests that failed near a kill ended {late[0]:.1f} to {late[-1]:.1f} s after it (median "
+                  f"{late[len(late) // 2]:.1f}); their errors:")
+            for (status, message), n in errors.most_common(8):
+                print(f"  {n} x {status}: {message}")
     print("| outcome | requests |\n|---|---|")
     for outcome, n in sorted(soak.outcomes.items()):
         print(f"| {outcome} | {n} |")
