@@ -51,6 +51,13 @@ log = logging.getLogger("dflash.ingress")
 # /docs and /openapi.json are off unless the config turns them on (``Ingress.__init__``).
 api = FastAPI(title="dflash-serve", docs_url=None, redoc_url=None, openapi_url=None)
 READY_TTL_S = 1.0
+# A choice whose replica failed before anything of it reached the client (before its first token; a request not
+# streamed, at any point) is sent again, after each of these pauses in turn: a replica that lost a process leaves
+# within about two seconds, and the routers then pass it over (``serve_app.replicas``). Only for a replica's
+# failures, never for a refusal of the request; and twice at most, so that a request that itself crashes an
+# engine's process takes down no more than three replicas.
+RETRY_PAUSES_S = (0.5, 2.0)
+RETRYABLE = ("unavailable", "transfer_error")
 RETRY_AFTER_S = 1
 API_KEY_ENV = "DFLASH_API_KEY"
 
@@ -241,43 +248,62 @@ class Choice:
     """One choice's stream: chunks from the router, text deltas, and the timings the metrics need."""
 
     def __init__(self, index: int, request_id: str, prompt_ids: list[int], params: SamplingParams, router: Router,
-                 echo: str = ""):
+                 echo: str = "", on_retry=None, restartable: bool = False):
         self.index, self.request_id, self.prompt_ids, self.params = index, request_id, prompt_ids, params
-        self.gen = router.stream(request_id, prompt_ids, params)
+        self.router, self.echo, self.on_retry = router, echo, on_retry
+        # Whether a failure after the first tokens may start it over too (nothing of it has reached the client
+        # before it ends: a request not streamed).
+        self.restartable = restartable
+        self.retries = 0
         self.start = time.perf_counter()
+        self.finish_reason: str | None = None
+        self.error: str | None = None   # the type of the error that ended it (the request's, for its siblings)
+        self.done = False
+        self._begin(request_id)
+
+    def _begin(self, request_id: str) -> None:
+        """A fresh stream of the choice from the router, and nothing received of it yet."""
+        self.gen = self.router.stream(request_id, self.prompt_ids, self.params)
+        self.received = 0               # chunks received (not counting errors)
         self.ttft: float | None = None
         self.last_token_time: float | None = None
         self.token_gaps: list[float] = []   # seconds between chunks that carried tokens (inter-token latency)
-        self.text = echo                # the text so far: the replicas send only final text (stop strings cut)
+        self.text = self.echo           # the text so far: the replicas send only final text (stop strings cut)
         self.sent = 0                   # characters of it already sent
         self.token_ids: list[int] = []
         self.ids_sent = 0               # token ids already sent (streams with return_token_ids)
         self.logprobs: list[TokenLogprob] = []    # per token, when params.logprobs is set
         self.logprobs_sent = 0
-        self.text_offset = len(echo)    # where the next logprobs token begins in the text (completions) ...
+        self.text_offset = len(self.echo)   # where the next logprobs token begins in the text (completions) ...
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")    # ... counting only whole characters
-        self.finish_reason: str | None = None
-        self.error: str | None = None   # the type of the error that ended it (the request's, for its siblings)
         self.spec: dict | None = None
         self.timing: dict | None = None      # the engines' queue / prefill / decode seconds (finished requests)
         self.num_cached_tokens = 0
-        self.done = False
+
+    def _may_retry(self, chunk: dict) -> bool:
+        return chunk["type"] == "error" and chunk.get("error_type") in RETRYABLE \
+            and self.retries < len(RETRY_PAUSES_S) and (self.received == 0 or self.restartable)
 
     async def next(self) -> dict | None:
-        """The next chunk, or None at the end; exceptions from Serve become error chunks."""
-        try:
-            chunk = await self.gen.__anext__()
-        except StopAsyncIteration:
+        """The next chunk, or None at the end; exceptions from Serve become error chunks. A replica's failure
+        before anything of the choice reached the client is met by sending it again (``RETRY_PAUSES_S``)."""
+        while (chunk := await self._next()) is not None and self._may_retry(chunk):
+            log.warning("%s: %s after %d chunks (%s); sending it again", self.request_id, chunk.get("error_type"),
+                        self.received, chunk.get("message"))
+            if self.on_retry is not None:
+                self.on_retry(chunk.get("error_type"))
+            await self.gen.aclose()
+            await asyncio.sleep(RETRY_PAUSES_S[self.retries])
+            self.retries += 1
+            self._begin(f"{self.request_id}.{self.retries}")    # a fresh id: the failed attempt's may linger
+        if chunk is None:
             self.done = True
             return None
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            chunk = _error_chunk_from(e)
         if chunk["type"] == "error":
             self.done = True
             self.error = chunk.get("error_type", "server_error")
             return chunk
+        self.received += 1
         now = time.perf_counter()
         if chunk["token_ids"]:
             if self.ttft is None:
@@ -296,6 +322,16 @@ class Choice:
             self.spec = chunk.get("spec")
             self.timing = chunk.get("timing")
         return chunk
+
+    async def _next(self) -> dict | None:
+        try:
+            return await self.gen.__anext__()
+        except StopAsyncIteration:
+            return None
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            return _error_chunk_from(e)
 
     def delta(self) -> str:
         """Text not sent yet."""
@@ -543,7 +579,8 @@ class Ingress:
                     dataclasses.replace(params, seed=params.seed + j)
                 index = p * body.n + j
                 choices.append(Choice(index, f"{request_id}-{index}", ids, choice_params, self.router,
-                                      echoes[p] if echoes else ""))
+                                      echoes[p] if echoes else "", on_retry=self._count_retry,
+                                      restartable=not body.stream))
         handed_off, error = False, None
         try:
             firsts = await asyncio.gather(*(c.next() for c in choices))
@@ -586,6 +623,9 @@ class Ingress:
                                           e2e=time.perf_counter() - c.start, spec=c.spec,
                                           token_gaps=c.token_gaps, timing=c.timing,
                                           num_cached_tokens=c.num_cached_tokens, error=c.error or error)
+
+    def _count_retry(self, error_type: str) -> None:
+        self.metrics.request_retries.labels(self.model_name, error_type).inc()
 
     def _usage(self, body, choices: list[Choice]) -> Usage:
         prompt_tokens = sum(len(c.prompt_ids) for c in choices[::body.n])

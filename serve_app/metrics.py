@@ -160,6 +160,9 @@ class ServiceMetrics:
         # error_type: the error's ("overloaded", "transfer_error", "server_error", ...); never counted as a success
         self.request_errors = Counter("dflash_request_errors", "Requests that ended in an error", m + ["error_type"],
                                       registry=r)
+        # A request sent again because a replica failed before its first token (``serve_app.ingress.RETRY_PAUSES_S``)
+        self.request_retries = Counter("dflash_request_retries", "Requests sent again after a replica failed before "
+                                       "their first token", m + ["error_type"], registry=r)
         self.ttft = Histogram("dflash_time_to_first_token_seconds", "Time to first token", m, buckets=TTFT_BUCKETS,
                               registry=r)
         self.itl = Histogram("dflash_inter_token_latency_seconds", "Time between streamed tokens", m,

@@ -40,15 +40,18 @@ def tokens(ids: list[int], text: str = "", finished: bool = False, logprobs=None
 
 
 class ScriptedRouter:
-    """The Router's ``stream``: each choice's chunks come from ``script(index)``, a list of chunks or "forever"
-    (a token every 10 ms until closed); records which choices' streams were closed."""
+    """The Router's ``stream``: each choice's chunks come from ``script(index)`` (called once per stream: a choice
+    sent again calls it again), a list of chunks or "forever" (a token every 10 ms until closed); records the ids
+    of the streams asked for, and which choices' streams were closed."""
 
     def __init__(self, script):
         self.script = script
+        self.sent: list[str] = []
         self.closed: list[int] = []
 
     async def stream(self, request_id, prompt_ids, params):
-        index = int(request_id.rsplit("-", 1)[1])
+        self.sent.append(request_id)
+        index = int(request_id.rsplit("-", 1)[1].split(".")[0])     # (a choice sent again: "<id>-<index>.<n>")
         try:
             chunks = self.script(index)
             if chunks == "forever":
@@ -154,15 +157,88 @@ def test_null_means_not_given(ingress, path, fields):
     assert assert_error(ingress.client.post(path, json={**body, required: None}), 422)["param"].startswith(required)
 
 
-def test_error_codes_are_strings_or_null(ingress):
+def test_error_codes_are_strings_or_null(ingress, monkeypatch):
     """OpenAI's ``code`` is a string or null: a failed KV transfer says ``transfer_error`` (retryable), a bad value
     has none (it was the HTTP status, a number, before)."""
+    monkeypatch.setattr("serve_app.ingress.RETRY_PAUSES_S", (0.01, 0.01))     # (sent again twice, failing each time)
     ingress.router = ScriptedRouter(lambda i: [{"type": "error", "status": 500, "message": "READ failed: lease gone",
                                                 "error_type": "transfer_error"}])
     error = assert_error(ingress.client.post("/v1/completions", json={"model": "tiny", "prompt": "hi"}), 500)
     assert error["code"] == "transfer_error" and "lease gone" not in error["message"]
     assert assert_error(ingress.client.post("/v1/completions", json={"model": "tiny", "prompt": "hi",
                                                                      "max_tokens": -1}), 400)["code"] is None
+
+
+def failing_first(failures: list[dict], then: list[dict]):
+    """A script whose streams give ``failures[k]`` (one error chunk, or chunks ending in one) on the k-th call,
+    and ``then`` after them."""
+    calls = []
+
+    def script(index):
+        calls.append(index)
+        return failures[len(calls) - 1] if len(calls) <= len(failures) else then
+    return script
+
+
+UNAVAILABLE = {"type": "error", "status": 503, "message": "this replica's engine process is gone",
+               "error_type": "unavailable"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_replica_failure_before_the_first_token_is_sent_again_under_a_fresh_id(ingress, monkeypatch, stream):
+    monkeypatch.setattr("serve_app.ingress.RETRY_PAUSES_S", (0.01, 0.01))
+    ingress.router = ScriptedRouter(failing_first([[UNAVAILABLE], [{**UNAVAILABLE, "error_type": "transfer_error",
+                                                                   "status": 500}]],
+                                                  [tokens([40], "a"), tokens([41], "b", finished=True)]))
+    r = ingress.client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "stream": stream})
+    assert r.status_code == 200, r.text
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.text.splitlines()
+                   if line.startswith("data: {")) if stream else r.json()["choices"][0]["text"]
+    assert text == "ab"
+    first = ingress.router.sent[0]
+    assert ingress.router.sent == [first, f"{first}.1", f"{first}.2"]
+    samples = metric_samples(ingress.metrics.own_text())
+    assert metric_sum(samples, "dflash_request_retries_total") == 2
+    assert metric_sum(samples, "dflash_request_errors_total") == 0
+
+
+def test_a_choice_is_sent_twice_more_at_most_and_then_ends_in_its_error(ingress, monkeypatch):
+    monkeypatch.setattr("serve_app.ingress.RETRY_PAUSES_S", (0.01, 0.01))
+    ingress.router = ScriptedRouter(failing_first([[UNAVAILABLE]] * 3, [tokens([40], "a", finished=True)]))
+    error = assert_error(ingress.client.post("/v1/completions", json={"model": "tiny", "prompt": "hi"}), 503)
+    assert error["code"] == "unavailable" and len(ingress.router.sent) == 3
+
+
+@pytest.mark.parametrize("chunk", [
+    {"type": "error", "status": 400, "message": "decode replica refused the request: bad", "error_type":
+     "invalid_request_error"},
+    {"type": "error", "status": 503, "message": "the decode side is full", "error_type": "overloaded"},
+    {"type": "error", "status": 500, "message": "a bug", "error_type": "server_error"}])
+def test_a_refusal_an_overload_or_a_bug_is_not_sent_again(ingress, monkeypatch, chunk):
+    monkeypatch.setattr("serve_app.ingress.RETRY_PAUSES_S", (0.01, 0.01))
+    ingress.router = ScriptedRouter(failing_first([[chunk]], [tokens([40], "a", finished=True)]))
+    assert_error(ingress.client.post("/v1/completions", json={"model": "tiny", "prompt": "hi"}), chunk["status"])
+    assert len(ingress.router.sent) == 1
+
+
+def test_after_its_first_tokens_a_stream_ends_in_the_error_and_a_request_not_streamed_starts_over(ingress,
+                                                                                                   monkeypatch):
+    """A stream has sent its first token to the client: the failure ends it. A request not streamed has sent
+    nothing: it starts over, and its answer holds the new attempt's text only."""
+    monkeypatch.setattr("serve_app.ingress.RETRY_PAUSES_S", (0.01, 0.01))
+    ingress.router = ScriptedRouter(failing_first([[tokens([40], "a"), UNAVAILABLE]],
+                                                  [tokens([40], "a"), tokens([41], "b", finished=True)]))
+    r = ingress.client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "stream": True})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert events[0]["choices"][0]["text"] == "a" and events[-1]["error"]["code"] == "unavailable"
+    assert len(ingress.router.sent) == 1
+    ingress.router = ScriptedRouter(failing_first([[tokens([40], "a"), UNAVAILABLE]],
+                                                  [tokens([40], "a"), tokens([41], "b", finished=True)]))
+    r = ingress.client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert (choice["text"], choice["token_ids"], r.json()["usage"]["completion_tokens"]) == ("ab", [40, 41], 2)
+    assert len(ingress.router.sent) == 2
 
 
 def test_an_engine_check_is_named_as_the_client_sent_it():
