@@ -292,7 +292,10 @@ class Choice:
                         self.received, chunk.get("message"))
             if self.on_retry is not None:
                 self.on_retry(chunk.get("error_type"))
-            await self.gen.aclose()
+            try:
+                await self.gen.aclose()
+            except Exception:       # the failed attempt's clean-up: logged, and the choice goes on
+                log.exception("%s: closing its failed stream failed", self.request_id)
             await asyncio.sleep(RETRY_PAUSES_S[self.retries])
             self.retries += 1
             self._begin(f"{self.request_id}.{self.retries}")    # a fresh id: the failed attempt's may linger
