@@ -22,8 +22,9 @@ failures printed; prints requests and outcomes by kind, and end-to-end latency p
 engine's process, a KV manager, a prefill or decode replica (an ingress too, if asked: its clients' connections
 drop). Then a request may also end in a clean error (an HTTP 5xx or a stream's error event, each with an OpenAI
 error object), but only one that overlapped a kill or the ``--recovery-s`` after it; a 200 must still be its answer
-alone, and a cut stream (unless an ingress was killed), a transport error or a request that outlasts
-``--request-timeout-s`` fails. After the load the service must have every replica back (as many as before it), the
+alone, and a cut stream, a transport error or a request that outlasts ``--request-timeout-s`` fails. Where an
+ingress was killed during a request or up to ``INGRESS_GONE_S`` before it began, the HTTP front's plain 500, a
+dropped connection or a cut stream is allowed too: that ingress held the client's connection. After the load the service must have every replica back (as many as before it), the
 gauges must come back to 0, and each probe sent alone must give its answer alone again.
 """
 
@@ -82,6 +83,12 @@ class Answer:
 KILLABLE = {"engine": ("ray::EngineHost",), "kv_manager": ("ray::KVManagerActor",),
             "prefill": ("ray::ServeReplica:", ":PrefillServer"), "decode": ("ray::ServeReplica:", ":DecodeServer"),
             "ingress": ("ray::ServeReplica:", ":Ingress")}
+
+# After an ingress is killed, the HTTP front (HAProxy in Serve's throughput mode) may still route a request to it
+# until Serve's controller or HAProxy's own health check (every 5 s) takes it out: such a request gets the front's
+# plain 500, as do the requests the dead ingress was answering (its streams are cut). Measured: the requests that
+# began up to 0.07 s after the kill.
+INGRESS_GONE_S = 5.0
 
 
 def _victims(kinds: list[str]) -> list[tuple[int, str]]:
@@ -197,7 +204,9 @@ class Soak:
         return any(start <= k + self.args.recovery_s and k <= end for k, _ in self.kills)
 
     def killed_ingress(self, start: float, end: float) -> bool:
-        return any(kind == "ingress" and start <= k <= end for k, kind in self.kills)
+        """Whether [start, end] overlapped an ingress's kill or the moment after it in which HTTP may still be
+        routed to the dead ingress (``INGRESS_GONE_S``)."""
+        return any(kind == "ingress" and start <= k + INGRESS_GONE_S and k <= end for k, kind in self.kills)
 
     def fail(self, what: str) -> None:
         self.outcomes["FAILED"] += 1
@@ -295,13 +304,13 @@ class Soak:
 
     def clean_failure(self, status: int, answer, start: float) -> bool:
         """Whether a request that did not get its answer ended as a kill allows: near a kill, with an HTTP 5xx or a
-        stream's error event carrying an OpenAI error object (a dropped connection or a cut stream only where an
-        ingress was killed). Counted as such."""
+        stream's error event carrying an OpenAI error object (a plain 5xx, a dropped connection or a cut stream only
+        where an ingress was killed). Counted as such."""
         end = time.perf_counter()
         if not self.args.kill_every or not isinstance(answer, str) or not self.near_kill(start, end):
             return False
         clean = (status >= 500 and '"error"' in answer) or (status == 200 and answer.startswith("stream error:"))
-        if not clean and not ((status == -1 or answer == "stream ended without [DONE]")
+        if not clean and not ((status == -1 or status >= 500 or answer == "stream ended without [DONE]")
                               and self.killed_ingress(start, end)):
             return False
         self.outcomes[f"failed near a kill: {status if status > 0 else 'connection'}"] += 1
