@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.llm_engine import LLMEngine, RequestOutput
+from engine.parallel import PeerLost
 
 log = logging.getLogger(__name__)
 
@@ -226,11 +227,15 @@ class EngineLoop:
             except Exception as e:
                 # The engine already finished (and freed) the step's requests; tell their streams.
                 log.exception("engine step failed")
+                if isinstance(e, PeerLost):     # the rank group is broken for good: as a replica that lost a rank
+                    e = EngineStopped("the replica serving this request lost a tensor-parallel rank; retry it")
                 failed = [r for r in list(self._streams)
                           if r not in self.engine.requests or self.engine.requests[r].finished]
                 for request_id in failed:
                     self.engine.abort(request_id)
                 self.deliver([(r, e) for r in failed])
+                if isinstance(e, EngineStopped):
+                    self.fail(e)
                 self._run_hooks()
                 continue
             self.stats.add_step("prompt" if self.engine.num_prompt_steps != prompt_steps else "decode",

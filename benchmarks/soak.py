@@ -17,15 +17,16 @@ Then, with the load stopped: the KV pages in use on every replica must come back
 request may be left running or waiting, and ``/health`` must answer. Exits 1 when any check failed, with the first
 failures printed; prints requests and outcomes by kind, and end-to-end latency percentiles.
 
-**Kills** (``--kill-every S``, the service on this host): meanwhile, every S seconds or so (once the service answers
-``/health`` again after the last), one of its processes is killed with SIGKILL, drawn from ``--kill-kinds``: an
-engine's process, a KV manager, a prefill, decode or aggregated replica (an ingress too, if asked: its clients'
-connections drop). Then a request may also end in a clean error (an HTTP 5xx or a stream's error event, each with an OpenAI
-error object), but only one that overlapped a kill or the ``--recovery-s`` after it; a 200 must still be its answer
-alone, and a cut stream, a transport error or a request that outlasts ``--request-timeout-s`` fails. Where an
-ingress was killed during a request or up to ``INGRESS_GONE_S`` before it began, the HTTP front's plain 500, a
-dropped connection or a cut stream is allowed too: that ingress held the client's connection. After the load the service must have every replica back (as many as before it), the
-gauges must come back to 0, and each probe sent alone must give its answer alone again.
+**Kills** (``--kill-every S``, the service on this host): meanwhile, every S seconds or so (once the service
+answers ``/health`` again after the last), one of its processes is killed with SIGKILL, drawn from
+``--kill-kinds``: an engine's process, a KV manager, a tensor-parallel rank's worker, a prefill, decode or
+aggregated replica (an ingress too, if asked: its clients' connections drop). Then a request may also end in a
+clean error (an HTTP 5xx or a stream's error event, each with an OpenAI error object), but only one that overlapped
+a kill or the ``--recovery-s`` after it; a 200 must still be its answer alone, and a cut stream, a transport error
+or a request that outlasts ``--request-timeout-s`` fails. Where an ingress was killed during a request or up to
+``INGRESS_GONE_S`` before it began, the HTTP front's plain 500, a dropped connection or a cut stream is allowed
+too: that ingress held the client's connection. After the load the service must have every replica back (as many as
+before it), the gauges must come back to 0, and each probe sent alone must give its answer alone again.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class Answer:
 # ``ray::ServeReplica:<app>:<deployment>``) of the service's processes a kill may pick.
 KILLABLE = {"engine": ("ray::EngineHost",), "kv_manager": ("ray::KVManagerActor",),
             "prefill": ("ray::ServeReplica:", ":PrefillServer"), "decode": ("ray::ServeReplica:", ":DecodeServer"),
-            "aggregated": ("ray::ServeReplica:", ":AggregatedServer"),
+            "aggregated": ("ray::ServeReplica:", ":AggregatedServer"), "worker": ("ray::RankWorker",),
             "ingress": ("ray::ServeReplica:", ":Ingress")}
 
 # After an ingress is killed, the HTTP front (HAProxy in Serve's throughput mode) may still route a request to it
@@ -432,7 +433,8 @@ def main() -> int:
     p.add_argument("--kill-every", type=float, default=0.0, metavar="S",
                    help="SIGKILL one of the service's processes (on this host) every S seconds or so; 0: none")
     p.add_argument("--kill-kinds", nargs="+", choices=sorted(KILLABLE),
-                   default=["engine", "kv_manager", "prefill", "decode", "aggregated"], help="which processes a kill may pick")
+                   default=["engine", "kv_manager", "prefill", "decode", "aggregated", "worker"],
+                   help="which processes a kill may pick (those the service has)")
     p.add_argument("--recovery-s", type=float, default=90.0,
                    help="with kills: how long after one a request may fail, and the service may take to recover")
     p.add_argument("--request-timeout-s", type=float, default=300.0, help="a request taking longer fails")

@@ -98,6 +98,18 @@ class Message:
     tensors: list[torch.Tensor]
 
 
+class PeerLost(RuntimeError):
+    """A collective of the rank group failed: a rank is gone (its process died or its connection broke; gloo says
+    so at once, NCCL when its watchdog does). The group cannot be used again: the replica must stop serving."""
+
+
+def _collective(what: str, run) -> None:
+    try:
+        run()
+    except RuntimeError as e:
+        raise PeerLost(f"the tensor-parallel {what} failed, a rank is gone: {str(e)[:200]}") from e
+
+
 class TensorParallel:
     """One rank's view of its replica's process group: collectives for the sharded layers, and rank 0's
     per-forward broadcast. Standalone process groups (no torch.distributed global state): one per replica."""
@@ -123,19 +135,19 @@ class TensorParallel:
     # --- collectives inside a forward ------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place (the row-parallel layers' partial outputs)."""
-        self._device.allreduce([x]).wait()
+        _collective("all-reduce", lambda: self._device.allreduce([x]).wait())
         return x
 
     def all_gather_vocab(self, x: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Every rank's vocab shard of ``x`` ``[..., V/tp]`` side by side, padding dropped: ``[..., V]``."""
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        self._device.allgather([parts], [x]).wait()
+        _collective("all-gather", lambda: self._device.allgather([parts], [x]).wait())
         return torch.cat(parts, dim=-1)[..., :vocab_size]
 
     def barrier(self) -> None:
         """Return once every rank has called it (on the CPU group: it orders work, it moves no data)."""
-        self._cpu.allreduce([torch.zeros(1)]).wait()
+        _collective("barrier", lambda: self._cpu.allreduce([torch.zeros(1)]).wait())
 
     # --- rank 0's per-forward message -------------------------------------------------------------
     def publish(self, op: int, ints: Sequence[int] = (), tensors: Sequence[torch.Tensor] = ()) -> None:
@@ -172,7 +184,7 @@ class TensorParallel:
     def _broadcast(group, tensor: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        group.broadcast([tensor], opts).wait()
+        _collective("broadcast", lambda: group.broadcast([tensor], opts).wait())
 
 
 def active(tp: TensorParallel | None) -> TensorParallel | None:

@@ -201,3 +201,42 @@ def test_stream_interval_sends_a_chunk_every_k_steps_after_the_first_token(demo_
     assert len(carrying[0]["token_ids"]) == 1 and carrying[-1]["finished"]
     steps = len(carrying[-1]["spec"]["acceptance_lengths"]) or 39      # decode steps after the prefill's token
     assert len(carrying) <= 2 + -(-steps // 3) < len([c for c in every_step if c["token_ids"]])
+
+
+def _loop_after_failure(host) -> tuple:
+    """In rank 0's engine process: whether its loop failed, and what is left of its requests and pages once its
+    thread has ended."""
+    host.loop._thread.join(10)
+    return host.loop.failed, host.loop._thread.is_alive(), len(host.engine.requests), host.engine.kv.pages_in_use()
+
+
+def test_a_rank_killed_mid_step_ends_the_requests_with_a_retryable_error_and_stops_the_engine(ray_cluster, demo_ids):
+    """Rank 1's process killed while rank 0 steps: rank 0's collective fails at once (gloo sees the connection
+    reset). The requests in flight must end as ``unavailable`` (503, which the router sends again elsewhere), not
+    as a bug (500, which it does not), later requests must be refused the same way, and rank 0's engine must stop
+    computing with its pages freed: the group cannot be used again."""
+    replica = AggregatedReplica(EngineConfig(model=str(DEMO / "target"), num_pages=256), tp_size=2)
+    long = SamplingParams(max_tokens=1200, ignore_eos=True)
+
+    async def scenario():
+        gens = [replica.generate(f"k{i}", list(ids), long) for i, ids in enumerate(demo_ids[:2])]
+        for gen in gens:
+            first = await asyncio.wait_for(gen.__anext__(), 60)
+            assert first["type"] == "tokens", first
+        ray.kill(replica.group.remote_ranks[0])
+        ends = []
+        for gen in gens:
+            chunks = [c async for c in gen]
+            assert chunks and all(c["type"] == "tokens" and not c["finished"] for c in chunks[:-1])
+            ends.append(chunks[-1])
+        later = [c async for c in replica.generate("later", list(demo_ids[0]), long)]
+        return ends, later
+
+    try:
+        ends, later = asyncio.run(asyncio.wait_for(scenario(), 120))
+        for chunk in ends + later[-1:]:
+            assert (chunk["type"], chunk["status"], chunk["error_type"]) == ("error", 503, "unavailable"), chunk
+        assert "lost a tensor-parallel rank" in ends[0]["message"]
+        assert ray.get(replica.group.host.__ray_call__.remote(_loop_after_failure)) == (True, False, 0, 0)
+    finally:
+        replica.shutdown()
