@@ -693,10 +693,13 @@ class EngineHost(RankWorker):
         return await self.loop.call(lambda _: RankWorker.page_digest(self, tables, owners))
 
     async def gauges(self) -> dict:
-        """Batch sizes, pages in use per pool (with its owners) and the engine loop's time (``LoopStats``) and
-        preemptions, for the replica's metrics report."""
-        gauges = await self.loop.call(lambda e: {**engine_gauges(e), "loop": {**self.loop.stats.snapshot(),
-                                                                              "preemptions": e.scheduler.num_preemptions}})
+        """Batch sizes, pages in use per pool (with its owners) and the engine loop's time (``LoopStats``), the
+        time it waited for the device's results, and preemptions, for the replica's metrics report."""
+        def read(e: LLMEngine) -> dict:
+            return {**engine_gauges(e), "loop": {**self.loop.stats.snapshot(), "device_wait_s": e.device_wait_s,
+                                                 "preemptions": e.scheduler.num_preemptions}}
+
+        gauges = await self.loop.call(read)
         gauges["awaiting_transfer"] = len(self._taking)
         gauges["stand_bys"] = self._stand_bys
         return gauges

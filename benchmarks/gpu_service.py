@@ -445,6 +445,7 @@ def closed_loop(llm, prompts: list[str], params, concurrency: int, stagger: bool
     live = tokens = 0
     times: dict[str, list[float]] = {"prefill": [], "decode": []}
     start = last = time.perf_counter()
+    waited = engine.device_wait_s
     with torch.inference_mode():
         while waiting or engine.has_unfinished():
             admit = 1 if stagger and live < concurrency and tokens == 0 else concurrency - live
@@ -461,7 +462,9 @@ def closed_loop(llm, prompts: list[str], params, concurrency: int, stagger: bool
                 if out.finished:
                     live -= 1
                     tokens += len(out.token_ids)
-    row = {"output_throughput": tokens / (time.perf_counter() - start)}
+    steps = sum(len(v) for v in times.values())
+    row = {"output_throughput": tokens / (time.perf_counter() - start),
+           "device_wait_ms": (engine.device_wait_s - waited) / max(steps, 1) * 1e3}
     for kind, values in times.items():
         row[f"{kind}_steps"] = len(values)
         row[f"{kind}_step_ms_p50"] = statistics.median(values) * 1e3 if values else None
@@ -686,7 +689,8 @@ def print_tables(result: dict) -> None:
                           f"({o['output_throughput'] / rates['offline']:.2f}x batched); steps that computed a prompt: "
                           f"{o['prefill_steps']}, p50 {o['prefill_step_ms_p50']:.2f} ms, "
                           f"{o['prefill_step_s_total']:.2f} s; the others: {o['decode_steps']}, "
-                          f"p50 {o['decode_step_ms_p50']:.2f} ms, {o['decode_step_s_total']:.2f} s")
+                          f"p50 {o['decode_step_ms_p50']:.2f} ms, {o['decode_step_s_total']:.2f} s; waiting for "
+                          f"the device {o.get('device_wait_ms', float('nan')):.2f} ms a step")
     if result.get("throughput", {}).get("profiles"):
         print("\nWhere the engine processes' Python time goes (own time per engine step, cProfile):\n"
               + format_profiles(result["throughput"]["profiles"]))

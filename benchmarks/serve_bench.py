@@ -108,6 +108,7 @@ LOOP_SERIES = {"prompt_steps": ("dflash_engine_steps_total", "prompt"),
                "prompt_cpu_s": ("dflash_engine_step_cpu_seconds_total", "prompt"),
                "decode_cpu_s": ("dflash_engine_step_cpu_seconds_total", "decode"),
                "idle_s": ("dflash_engine_idle_seconds_total", None),
+               "device_wait_s": ("dflash_engine_device_wait_seconds_total", None),
                "thread_cpu_s": ("dflash_engine_thread_cpu_seconds_total", None),
                "process_cpu_s": ("dflash_engine_process_cpu_seconds_total", None)}
 
@@ -126,13 +127,16 @@ def _loops(url: str) -> dict[str, dict[str, float]]:
 
 def loop_deltas(before: dict, after: dict, duration_s: float) -> dict[str, dict]:
     """Per role, the run's engine loop figures: steps of each kind, their mean wall time and the share of it the
-    engine thread spent on the core, the steps' share of the run's wall time, and the engine processes' CPU."""
+    engine thread spent on the core, the time a step waited for the device's results, the steps' share of the run's
+    wall time, and the engine processes' CPU."""
     rows = {}
     for role, values in after.items():
         d = {k: v - before.get(role, {}).get(k, 0.0) for k, v in values.items()}
         row = {"prompt_steps": d["prompt_steps"], "decode_steps": d["decode_steps"],
                "steps_share": (d["prompt_step_s"] + d["decode_step_s"]) / duration_s,
                "idle_s": d["idle_s"], "thread_cpu": d["thread_cpu_s"] / duration_s,
+               "device_wait_ms": d["device_wait_s"] / steps * 1e3 if (steps := d["prompt_steps"] + d["decode_steps"])
+               else None,
                "process_cpu": d["process_cpu_s"] / duration_s}
         for kind in ("prompt", "decode"):
             n, wall = d[f"{kind}_steps"], d[f"{kind}_step_s"]
@@ -149,7 +153,8 @@ def format_loops(rows: dict[str, dict]) -> str:
     return "\n".join(
         f"   engine loop ({role}): steps {r['prompt_steps']:.0f} prompt / {r['decode_steps']:.0f} decode, "
         f"ms a step {f(r['prompt_step_ms'], '.2f')} / {f(r['decode_step_ms'], '.2f')}, on the core "
-        f"{f(r['prompt_on_core'], '.2f')} / {f(r['decode_on_core'], '.2f')}; steps {r['steps_share']:.2f} of the run; "
+        f"{f(r['prompt_on_core'], '.2f')} / {f(r['decode_on_core'], '.2f')}, waiting for the device "
+        f"{f(r.get('device_wait_ms'), '.2f')} ms a step; steps {r['steps_share']:.2f} of the run; "
         f"CPU engine threads {r['thread_cpu']:.2f}, their processes {r['process_cpu']:.2f}"
         for role, r in rows.items())
 

@@ -312,6 +312,7 @@ class LLMEngine:
         self._clock = self._phase_clock()
         self.num_overlapped_steps = 0      # steps launched before their predecessor's tokens were read
         self.num_prompt_steps = 0          # steps that computed prompt (or preempted history) tokens
+        self.device_wait_s = 0.0           # the host waiting for steps' tokens (a spin-wait is on the core)
         if backend == "triton" and model.device.type == "cuda":
             self.precompile_kernels()
         if use_cuda_graphs(cuda_graphs, model.device, backend, model.tp is not None):
@@ -884,7 +885,9 @@ class LLMEngine:
         had their accepted context stored by its drafter graph; the others' goes to the speculator."""
         spec, scheduled, rows = self.speculator, step.scheduled, step.rows
         clock = self._clock if ahead is None and step.host is None else (lambda phase: None)
+        began = time.perf_counter()
         new_tokens = step.choice.rows(step.read())
+        self.device_wait_s += time.perf_counter() - began
         live = [item.request.status == RequestStatus.RUNNING for item in scheduled]
         for i, proposal in enumerate(step.proposals):
             if proposal is not None and live[i]:

@@ -314,6 +314,9 @@ LOOP_COUNTERS = (
     ("dflash_engine_step_cpu_seconds", "The engine thread's CPU time within its steps (the rest of a step's wall "
                                        "time it waited off the core)", "step_cpu_s", True),
     ("dflash_engine_idle_seconds", "Time an engine thread sat idle with no request to step", "idle_s", False),
+    ("dflash_engine_device_wait_seconds", "Time engine threads waited within their steps for the device's results "
+                                          "(CUDA's default wait spins, so this time counts as on the core)",
+     "device_wait_s", False),
     ("dflash_engine_loop_seconds", "Time since the engine threads started", "uptime_s", False),
     ("dflash_engine_thread_cpu_seconds", "CPU time of the engine threads", "thread_cpu_s", False),
     ("dflash_engine_process_cpu_seconds", "CPU time of the engines' processes (the engine thread and the rest)",

@@ -83,7 +83,8 @@ def test_the_engine_loops_time_is_summed_per_role_and_kind():
     def loop(scale: float) -> dict:
         return {"steps": {"prompt": 2 * scale, "decode": 10 * scale}, "step_s": {"prompt": 0.5, "decode": scale},
                 "step_cpu_s": {"prompt": 0.25, "decode": scale / 2}, "idle_s": 3.0, "uptime_s": 9.0,
-                "thread_cpu_s": 4.0, "process_cpu_s": 5.0, "preemptions": 3 * scale}
+                "thread_cpu_s": 4.0, "process_cpu_s": 5.0, "preemptions": 3 * scale,
+                "device_wait_s": 0.125 * scale}
 
     base = {"healthy": True, "running": 0, "waiting": 0, "pools": []}
     snapshots = {"d1": {**base, "role": "decode", "loop": loop(1)}, "d2": {**base, "role": "decode", "loop": loop(2)},
@@ -96,6 +97,7 @@ def test_the_engine_loops_time_is_summed_per_role_and_kind():
     assert metric_sum(samples, "dflash_engine_step_seconds_total", role="decode", kind="decode") == 3
     assert metric_sum(samples, "dflash_engine_step_cpu_seconds_total", role="prefill", kind="prompt") == 0.25
     assert metric_sum(samples, "dflash_engine_idle_seconds_total", role="decode") == 6
+    assert metric_sum(samples, "dflash_engine_device_wait_seconds_total", role="decode") == 0.375
     assert metric_sum(samples, "dflash_engine_loop_seconds_total", role="prefill") == 9
     assert metric_sum(samples, "dflash_engine_process_cpu_seconds_total") == 15
     assert metric_sum(samples, "dflash_num_preemptions_total", role="decode") == 9

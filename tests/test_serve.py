@@ -873,14 +873,15 @@ def test_metrics_split_each_request_into_engine_queue_prefill_and_decode(server)
 
 def test_metrics_tell_where_each_engine_threads_time_goes(server):
     """/metrics carries each role's engine loop counters as its replicas report them: a request's prompt step on
-    the prefill side and decode steps on the decode side, each with its wall and CPU time."""
+    the prefill side and decode steps on the decode side, each with its wall and CPU time, and the time they waited
+    for the device's results within them."""
     def counters() -> dict:
         samples = metrics(server)
         return {(name, role, kind): metric_sum(samples, f"dflash_engine_{name}_total", role=role,
                                                **({"kind": kind} if kind else {}))
-                for name in ("steps", "step_seconds", "step_cpu_seconds", "loop_seconds")
-                for role in ("prefill", "decode") for kind in (("prompt", "decode") if name != "loop_seconds"
-                                                               else (None,))}
+                for name in ("steps", "step_seconds", "step_cpu_seconds", "loop_seconds", "device_wait_seconds")
+                for role in ("prefill", "decode")
+                for kind in (("prompt", "decode") if name not in ("loop_seconds", "device_wait_seconds") else (None,))}
 
     before = counters()
     body = {"model": "tiny", "prompt": "Where does the time go", "max_tokens": 12, "temperature": 0,
@@ -899,3 +900,6 @@ def test_metrics_tell_where_each_engine_threads_time_goes(server):
     for role, kind in (("prefill", "prompt"), ("decode", "decode")):
         assert 0 < delta[("step_cpu_seconds", role, kind)] <= delta[("step_seconds", role, kind)] + 1e-3, delta
         assert delta[("loop_seconds", role, None)] > 0
+        # The wait for a step's tokens is within the steps (on CPU the read itself: short, never 0).
+        steps_s = sum(delta[("step_seconds", role, k)] for k in ("prompt", "decode"))
+        assert 0 < delta[("device_wait_seconds", role, None)] <= steps_s, delta
