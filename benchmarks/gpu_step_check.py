@@ -13,8 +13,8 @@ per step, on the demo pair.
 3. Seeded sampling repeats: the same seeded batch twice gives the same tokens.
 4. CUDA graphs (issue 12, item 2): every captured graph's replay (ragged ones too) is bit-identical to the eager
    forward of the same padded inputs; a graphed engine (``cuda_graphs: on``) decodes the tokens and per-step AL of
-   an eager one (``off``) on the same batch, float32 and bf16; and the decode steps' mean time, graphed / eager,
-   side by side.
+   an eager one (``off``) on the same batch, then on each prompt again alone (a prefix hit: a prompt step of the
+   last page's few tokens), float32 and bf16; and the decode steps' mean time, graphed / eager, side by side.
    Off CUDA the graphs' static padded inputs run eagerly (nothing is captured).
 5. Overlap (issue 12, item 4), the target alone and with the drafter: with steps launched ahead of the host
    (``overlap: on``) a batch of rows ending at different steps (max_tokens, a stop token; greedy, and a seeded
@@ -127,6 +127,7 @@ def seeded_repeat(device: str, prompts: list[str], max_tokens: int) -> list[tupl
 def graphs_match_eager(device: str, prompts: list[str], max_tokens: int) -> list[tuple[str, bool, str]]:
     rows = []
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    again = SamplingParams(max_tokens=8, ignore_eos=True)
     for dtype in ("float32", "bfloat16"):
         runs = {}
         for mode in ("off", "on"):
@@ -149,11 +150,20 @@ def graphs_match_eager(device: str, prompts: list[str], max_tokens: int) -> list
                     if out.finished:
                         done[out.request_id] = (out.token_ids, out.acceptance_lengths)
             decode = sorted(step_s[1:]) or [float("nan")]
+            # Each prompt again, alone: a prefix hit whose last few tokens are one short row (a prompt step).
+            for i, prompt in enumerate(prompts):
+                engine.add_request(llm.tokenizer.encode(prompt), again, request_id=f"again-{i}")
+                while engine.has_unfinished():
+                    for out in engine.step():
+                        if out.finished:
+                            done[out.request_id] = (out.token_ids, out.acceptance_lengths, out.num_cached_tokens)
             runs[mode] = (done, decode[len(decode) // 2], sum(g.steps_run for g in engine.graphs))
         (eager, eager_s, _), (graphed, graphed_s, graphed_steps) = runs["off"], runs["on"]
-        rows.append((f"graphed == eager {dtype}", graphed == eager and graphed_steps > 0,
+        hits = sum(d[2] > 0 for r, d in eager.items() if r.startswith("again"))
+        rows.append((f"graphed == eager {dtype}", graphed == eager and graphed_steps > 0 and hits == len(prompts),
                      f"median step {graphed_s * 1e3:.2f} ms graphed / {eager_s * 1e3:.2f} ms eager = "
-                     f"{graphed_s / eager_s:.2f}x; {graphed_steps} forwards through the graphs"))
+                     f"{graphed_s / eager_s:.2f}x; {graphed_steps} forwards through the graphs; {hits} prompts "
+                     f"again with a prefix hit"))
     return rows
 
 

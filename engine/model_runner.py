@@ -45,9 +45,10 @@ def row_tables(kv: KVCacheManager, space: int, rows: Sequence[Row], device: torc
 
 
 def build_metadata(kv: KVCacheManager, space: int, rows: Sequence[Row], *, causal: bool, backend: str,
-                   device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
+                   device: torch.device, ragged: bool = False) -> tuple[torch.Tensor, AttentionMetadata]:
     """Positions [T] and attention metadata of ``rows`` over page space ``space``; K/V of every row's
-    positions are stored into that space's pages at their slots.
+    positions are stored into that space's pages at their slots. ``ragged``: the rows take the ragged tiles even
+    when they are of one length (``AttentionMetadata.uniform`` False: a step with a prompt, see ``ModelRunner.run``).
 
     Block tables stay on the device (``kv.device_block_tables``): the host sends each row's table row (and the
     pages the step's requests gained), and the batch's block tables are gathered there. Positions and slots are
@@ -89,7 +90,7 @@ def build_metadata(kv: KVCacheManager, space: int, rows: Sequence[Row], *, causa
         max_seq_len=max(r.start + r.num_tokens for r in rows),
         causal=causal,
         backend=backend,
-        uniform=all(r.num_tokens == max_query_len for r in rows),
+        uniform=not ragged and all(r.num_tokens == max_query_len for r in rows),
     )
     return positions, meta
 
@@ -208,9 +209,15 @@ class ModelRunner:
         """Target forward over ``rows`` (their flattened token ``ids`` on the device); returns float32 logits at the
         flat indices ``logit_rows`` and the captured hidden states of every token (or None). A batch of rows of
         one length whose every logit is wanted runs through the CUDA graphs when they are on, a ragged one (a step
-        with a prompt) through the ragged graphs."""
+        with a prompt) through the ragged graphs.
+
+        A step that wants some of its tokens' logits only has a prompt chunk in it, and takes the ragged tiles even
+        when its rows are of one short length (a prompt's few tokens after a prefix-cache hit, which no decode graph
+        fits): through the ragged graphs, or eagerly with the same tiles (the same numbers either way). Only decode
+        and verification steps, every logit wanted, take the split-KV kernel and the decode graphs."""
+        ragged = len(logit_rows) != len(ids)
         if (self.ragged is not None and tuple(capture_layers) == self._graph_capture_layers
-                and self._ragged_tiles(all(r.num_tokens == rows[0].num_tokens for r in rows),
+                and self._ragged_tiles(not ragged and all(r.num_tokens == rows[0].num_tokens for r in rows),
                                        max(r.num_tokens for r in rows))):
             tables, mirror, table_rows = row_tables(self.kv, self.target_space, rows, self.device)
             if self.ragged.accepts(len(ids), len(rows), max(map(len, tables))):
@@ -219,7 +226,7 @@ class ModelRunner:
                 index = upload(logit_rows, torch.int64, self.device)
                 return self._logits(outputs[0], index), (outputs[1] if capture_layers else None)
         positions, meta = build_metadata(self.kv, self.target_space, rows, causal=True, backend=self.backend,
-                                         device=self.device)
+                                         device=self.device, ragged=ragged)
         if self._graphable(rows, logit_rows, capture_layers):
             outputs = self.graphs.run(len(rows), rows[0].num_tokens, ids, positions, meta)
             return outputs[0], (outputs[1] if capture_layers else None)

@@ -259,3 +259,38 @@ def test_ragged_graphs_give_the_eager_outputs_across_chunks_prefix_hits_and_samp
     _, decode_only = generate(False)
     assert [type(g).__name__ for g in decode_only.graphs] == ["StepGraphs", "StepGraphs"]
     assert use_cuda_graphs("decode", "cuda", "triton", tensor_parallel=False)
+
+
+def test_a_prompts_few_tokens_after_a_prefix_hit_run_through_the_ragged_graphs():
+    """A prompt that the prefix cache holds but for its last few tokens is one short row, all rows of one length,
+    yet a prompt step (only its last token's logits are wanted): it takes the ragged graphs (it ran eagerly before,
+    2-3x slower than the whole prompt graphed on an H100), with the eager engine's tokens; the decode steps after
+    it stay on the decode graphs."""
+    demo = Path(__file__).resolve().parents[1] / "models" / "demo"
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    def generate(graphs: bool):
+        llm = LLM(str(demo / "target"), draft=str(demo / "drafter"), page_size=16, max_num_seqs=4)
+        if graphs:
+            llm.engine.enable_cuda_graphs(capture=False, ragged=True)
+        first = llm.tokenizer.encode("import os\nimport sys\n" * 8)
+        llm.engine.add_request(first, params, request_id="first")
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        runs = [g.steps_run for g in llm.engine.graphs]
+        llm.engine.add_request(first[:32] + [7, 8, 9], params, request_id="hit")
+        out = llm.engine.step()[0]
+        assert out.num_cached_tokens == 32 and len(out.new_token_ids) == 1
+        prompt_step = [g.steps_run - n for g, n in zip(llm.engine.graphs, runs)]
+        tokens = list(out.token_ids)
+        while llm.engine.has_unfinished():
+            tokens += [t for o in llm.engine.step() for t in o.new_token_ids]
+        return tokens, prompt_step, llm.engine
+
+    eager, _, _ = generate(False)
+    graphed, prompt_step, engine = generate(True)
+    assert graphed == eager and len(eager) == 6
+    target_ragged = engine.graphs.index(engine.runner.ragged)
+    assert prompt_step[target_ragged] == 1, prompt_step
+    assert sum(n for g, n in zip(engine.graphs, prompt_step) if isinstance(g, StepGraphs)) == 0, prompt_step
+    assert engine.kv.pages_in_use() == 0
