@@ -37,8 +37,7 @@ def prompt_step(engine, ids: list[int], kind: str, params, request_id: str, prof
     sync()
     added = time.monotonic()
     if kind == "prefix hit":       # the same prompt once before: its full pages are cached, its last few tokens not
-        # Two tokens: a request that ends in its prompt step offers the cache nothing.
-        engine.add_request(ids, dataclasses.replace(params, max_tokens=2), request_id + "-first")
+        engine.add_request(ids, dataclasses.replace(params, max_tokens=1), request_id + "-first")
         while engine.has_unfinished():
             engine.step()
         sync()

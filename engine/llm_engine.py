@@ -522,6 +522,7 @@ class LLMEngine:
         first_logprobs = [r.output_logprobs.pop()] if r.output_logprobs else None
         out = self._output(r, self._append(r, [first], first_logprobs))
         if r.finished:
+            self._end_pages(r)
             self.requests.pop(request_id, None)
         else:
             self._commit(r)
@@ -611,11 +612,24 @@ class LLMEngine:
         if self.model.tp is not None:
             self.model.tp.publish(OP_STOP)
 
-    def _finish(self, request: Request, reason: str) -> None:
+    def _finish(self, request: Request, reason: str, ending: bool = False) -> None:
+        """``ending``: it ended normally in the step being concluded, whose drafter context store may still write its
+        pages: they stay with it until ``_end_pages``, which offers the full ones to the prefix cache first."""
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.logits_state = None         # its [V] tensors are not needed any more
-        self.scheduler.remove(request, free_pages=not request.hold_pages)
+        request.ending = ending and not request.hold_pages
+        self.scheduler.remove(request, free_pages=not (request.hold_pages or request.ending))
+
+    def _end_pages(self, request: Request) -> None:
+        """A request that ended in the step just concluded: its full pages (their drafter context stored by now, or
+        by a step launched ahead before anything later runs) go to the prefix cache, the rest back to the pool. A
+        request that ends in its prompt step (``max_tokens`` 1) leaves its prompt for the next one that begins
+        alike, as the last pages of every answer do for a conversation's next turn."""
+        if request.ending:
+            request.ending = False
+            self._commit(request)
+            self.kv.free(request.request_id)
 
     # --- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -653,6 +667,9 @@ class LLMEngine:
         except Exception:
             self._launched = None
             for item in scheduled:
+                if item.request.ending:         # ended before the failure: its pages go back, none cached
+                    item.request.ending = False
+                    self.kv.free(item.request.request_id)
                 if not item.request.finished:
                     self._finish(item.request, "error")
             raise
@@ -792,6 +809,7 @@ class LLMEngine:
         for out in outputs:
             request = self.requests[out.request_id]
             if request.finished and not request.hold_pages:
+                self._end_pages(request)
                 del self.requests[out.request_id]
             else:
                 self._commit(request)
@@ -999,7 +1017,7 @@ class LLMEngine:
                 if reason and detok is not None and _extend_text(r, detok.finish(r.output_token_ids), stops):
                     reason = "stop"                              # a stop string in the held-back text
             if reason:
-                self._finish(r, reason)
+                self._finish(r, reason, ending=True)
                 break
         if r.logits_state is not None:
             r.logits_state.add(appended)
@@ -1025,7 +1043,7 @@ class LLMEngine:
         _extend_text(r, detok.step(r.output_token_ids))
         if reason:
             _extend_text(r, detok.finish(r.output_token_ids))
-            self._finish(r, reason)
+            self._finish(r, reason, ending=True)
         return appended
 
     def _limit_reason(self, r: Request, token: int) -> str | None:

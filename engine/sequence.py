@@ -208,6 +208,7 @@ class Request:
     generator: torch.Generator | None = None
     draft_context_valid: bool = True   # False: the drafter context over the prompt never arrived (ablation)
     hold_pages: bool = False           # keep the pages after finishing, until released (prefill for a peer)
+    ending: bool = False               # finished in the step now concluding: its pages go at the step's end
     abort_after_transfer: bool = False  # aborted while its KV was being read: free the pages when the READ ends
     output_logprobs: list[TokenLogprob] = field(default_factory=list)   # per output token, when params.logprobs is set
     logits_state: LogitsState | None = None   # device tensors for penalties, bias, min_tokens (None: none set)

@@ -241,8 +241,9 @@ class DFlashSpeculator:
     @torch.inference_mode()
     def store_context(self, items: Sequence[tuple[Request, int, torch.Tensor]]) -> None:
         """Project the captured target hidden states and write them as drafter context K/V, all rows at once."""
-        # A finished request's pages are gone, unless it holds them for a decode peer that drafts from them.
-        items = [(r, start, h) for r, start, h in items if len(h) and (not r.finished or r.hold_pages)]
+        # A finished request's pages are gone, unless it holds them for a decode peer that drafts from them, or it
+        # ended in the step now concluding (its pages go to the prefix cache with their context at the step's end).
+        items = [(r, start, h) for r, start, h in items if len(h) and (not r.finished or r.hold_pages or r.ending)]
         if self._pending:               # not taken by a draft since the last store (never expected): store it first
             self._store_now([self._take_pending(r) for r, _, _ in list(self._pending.values())])
         for r, start, _ in items:

@@ -186,3 +186,20 @@ def test_prefix_reuse_keeps_output(tiny_target):
     hf = hf_model(tiny_target)
     assert second.token_ids == hf_greedy(hf, shared + [3], 8)
     assert llm.engine.kv.pages_in_use() == 0
+
+
+def test_a_request_that_ends_leaves_its_last_pages_to_the_prefix_cache(tiny_target):
+    """The pages a request fills in its last step go to the prefix cache like the others: one that ends in its
+    prompt step (max_tokens 1) leaves its whole prompt, and an answer's last page serves the next turn."""
+    llm = LLM(tiny_target, page_size=4, num_pages=64)
+    prompt = list(range(20, 33))                                  # 13 tokens: three full pages
+    one = llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))[0]
+    again = llm.generate([prompt + [5]], SamplingParams(max_tokens=7, ignore_eos=True))[0]
+    assert one.num_cached_tokens == 0 and again.num_cached_tokens == 12
+    # 14 + 7 tokens: K/V of 20 positions (not the last token's), five full pages; the fifth filled in the last step.
+    turn = prompt + [5] + again.token_ids
+    nxt = llm.generate([turn + [7]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert len(turn) == 21 and nxt.num_cached_tokens == 20
+    hf = hf_model(tiny_target)
+    assert again.token_ids == hf_greedy(hf, prompt + [5], 7) and nxt.token_ids == hf_greedy(hf, turn + [7], 4)
+    assert llm.engine.kv.pages_in_use() == 0

@@ -1,6 +1,7 @@
 """DFlash speculative decoding on tiny random checkpoints: lossless output, drafter math, layout, headroom."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -209,8 +210,6 @@ def test_training_forward_matches_paged_serving_forward(tiny_target, drafter_dir
 
 
 def test_drafter_checkpoint_round_trip(tmp_path):
-    from pathlib import Path
-
     from safetensors.torch import load_file
 
     # The bundled drafter, loaded and saved again, is the same checkpoint: config.json text, names, values.
@@ -588,8 +587,6 @@ def tiny_target_layers(engine):
 
 def test_demo_pair_is_lossless_and_accepts_on_held_out_code():
     """The bundled pair on held-out prompts: exact greedy equality, and the acceptance the README reports."""
-    from pathlib import Path
-
     demo = Path(__file__).resolve().parents[1] / "models" / "demo"
     lines = (demo.parents[1] / "benchmarks" / "prompts" / "heldout.jsonl").read_text().splitlines()
     prompts = [json.loads(line)["prompt"] for line in lines[:8]]
@@ -758,4 +755,59 @@ def test_a_transfer_shares_the_cached_prefix_pages_only_when_asked(tiny_target, 
     again = engine.reserve_transfer(prompt, first, GREEDY, request_id="again")
     assert again.num_reused_tokens == 28 and engine.kv.block_table("again", 0)[:7] == shared_table[:7]
     engine.finish_transfer("again", landed=False)
+    assert engine.kv.pages_in_use() == 0
+
+
+def test_a_prompt_that_ended_in_its_first_step_serves_the_next_one_draft_context_included():
+    """Demo pair: a request with max_tokens 1 ends in its prompt step; its prompt's full pages, draft layers
+    included, serve the next request that begins alike (pages whose draft part was never stored are no use to a
+    drafting request: no hit). That request decodes the tokens and per-step acceptance of one that found the same
+    pages cached by a request still running, and the tokens of an engine without the prefix."""
+    demo = Path(__file__).resolve().parents[1] / "models" / "demo"
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    def run(first_max_tokens: int | None):
+        llm = LLM(str(demo / "target"), draft=str(demo / "drafter"), page_size=16)
+        prompt = llm.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n" * 3)
+        if first_max_tokens is not None:
+            llm.generate([prompt], SamplingParams(max_tokens=first_max_tokens, ignore_eos=True))
+        out = llm.generate([prompt + llm.tokenizer.encode("\n\nprint(")], greedy)[0]
+        assert llm.engine.kv.pages_in_use() == 0
+        return out, len(prompt)
+
+    ended, n = run(1)
+    running, _ = run(2)
+    fresh, _ = run(None)
+    assert ended.num_cached_tokens == running.num_cached_tokens == n // 16 * 16 > 0 and fresh.num_cached_tokens == 0
+    assert ended.token_ids == running.token_ids == fresh.token_ids
+    assert ended.acceptance_lengths == running.acceptance_lengths
+
+
+def test_a_step_that_fails_after_a_request_ended_in_it_returns_that_requests_pages(tiny_target, drafter_dir):
+    """A request that ends in a step keeps its pages until the step's drafter context store, then offers them to the
+    prefix cache. If the step fails in between, they go back without being cached. The failure is injected (a
+    drafter store that raises once): a real one cannot be caused on purpose here."""
+    llm = LLM(tiny_target, draft=drafter_dir, page_size=4)
+    engine, spec = llm.engine, llm.engine.speculator
+    store, calls = spec.store_context, []
+
+    def failing_once(items):
+        calls.append(len(items))
+        if len(calls) == 1:
+            raise RuntimeError("injected drafter store failure")
+        return store(items)
+
+    spec.store_context = failing_once
+    ends = engine.add_request(list(range(20, 33)), SamplingParams(max_tokens=1, ignore_eos=True))
+    goes_on = engine.add_request(list(range(40, 50)), SamplingParams(max_tokens=6, ignore_eos=True))
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    assert ends.finish_reason == "length" and goes_on.finish_reason == "error"
+    assert engine.kv.pages_in_use() == 0
+    for r in (ends, goes_on):
+        engine.abort(r.request_id)         # what the engine loop does with a failed step's requests
+    again = llm.generate([list(range(20, 33))], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert again.num_cached_tokens == 0                 # nothing of the failed step was cached
+    assert again.token_ids == LLM(tiny_target, page_size=4).generate(
+        [list(range(20, 33))], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
     assert engine.kv.pages_in_use() == 0
