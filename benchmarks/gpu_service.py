@@ -22,6 +22,12 @@ Three parts, in one Ray cluster on the machine, each printing a table (and all o
    output tokens/s against offline, disaggregated minus aggregated TTFT against the READ time, and the CPU each
    process used under load (``benchmarks/proc_cpu.py``).
 
+``--gpus 2`` runs it on two GPUs of one host, as production places the roles: the page moves go from one GPU to the
+other (NIXL over CUDA IPC between the two processes; the floor is a peer copy between the two GPUs in one process),
+and the disaggregated application's decode replica has a GPU of its own while its prefill replica shares the other
+with the aggregated one (which is idle while the disaggregated one is loaded; the ablation is deployed once the
+disaggregated application is gone).
+
 ``--device cpu`` runs the same code with pools in shared memory (DRAM) and small sizes: a check of the script.
 """
 
@@ -52,18 +58,21 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def copy_floor(nbytes: int, device: str, repeats: int) -> float:
-    """Median seconds of one device-to-device (or host memcpy) copy of ``nbytes``, in this process."""
+def copy_floor(nbytes: int, device: str, repeats: int, to_device: str | None = None) -> float:
+    """Median seconds of one device-to-device (or host memcpy) copy of ``nbytes``, in this process; ``to_device``:
+    into another device (a peer copy between two GPUs)."""
     import torch
 
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=to_device or device)
     times = []
     for _ in range(repeats + 1):
         _sync(device)
+        _sync(to_device or device)
         t0 = time.perf_counter()
         dst.copy_(src)
         _sync(device)
+        _sync(to_device or device)
         times.append(time.perf_counter() - t0)
     del src, dst
     if device.startswith("cuda"):
@@ -73,10 +82,11 @@ def copy_floor(nbytes: int, device: str, repeats: int) -> float:
 
 def page_moves(device: str, token_counts: list[int], repeats: int, ucx_env: dict[str, str] | None = None,
                label: str = "defaults", polls: list[float] | None = None, splits: list[int] | None = None,
-               ops: list[str] | None = None) -> list[dict]:
+               ops: list[str] | None = None, gpus: int = 1) -> list[dict]:
     """NIXL READs of a prompt's pages between two KV-manager actors, against a copy of the same bytes.
     ``ucx_env``: UCX variables for both actors on top of the project's (``actors.nixl_transfer``); ``polls``: the
-    reader's longest wait between progress calls, each in turn (None: the project's)."""
+    reader's longest wait between progress calls, each in turn (None: the project's). ``gpus`` 2: each actor on a
+    GPU of its own (a whole GPU each, so Ray gives them different ones), against a peer copy."""
     import ray
 
     from benchmarks.transfer_bench import BenchKVManager
@@ -93,7 +103,8 @@ def page_moves(device: str, token_counts: list[int], repeats: int, ucx_env: dict
     managers, infos = [], []
     for name in ("pages-src", "pages-dst"):
         kvm = ray.remote(BenchKVManager).options(
-            num_cpus=0, num_gpus=0.1 if gpu else 0, runtime_env={"env_vars": dict(ucx_env or {})}).remote(
+            num_cpus=0, num_gpus=(1 if gpus > 1 else 0.1) if gpu else 0,
+            runtime_env={"env_vars": dict(ucx_env or {})}).remote(
             f"{name}-{label}", device=device)
         for n in sizes:
             ray.get(kvm.create_segment.remote(n))
@@ -101,14 +112,14 @@ def page_moves(device: str, token_counts: list[int], repeats: int, ucx_env: dict
         managers.append(kvm)
     try:
         return _read_rows(managers, infos, probe, device, token_counts, total_pages, page_size, repeats, label,
-                          polls or [None], splits or [0], ops or ["READ"])
+                          polls or [None], splits or [0], ops or ["READ"], gpu and gpus > 1)
     finally:
         for kvm in managers:
             ray.kill(kvm)
 
 
 def _read_rows(managers, infos, probe, device, token_counts, total_pages, page_size, repeats, label, polls,
-               splits, ops) -> list[dict]:
+               splits, ops, peer: bool = False) -> list[dict]:
     import ray
 
     src, dst = managers
@@ -127,7 +138,7 @@ def _read_rows(managers, infos, probe, device, token_counts, total_pages, page_s
         if 2 * n <= total_pages and tokens <= 4096:
             patterns["scattered"] = (list(range(0, 2 * n, 2)), list(range(1, 2 * n, 2)))
         nbytes = n * probe.bytes_per_page
-        floor_s = copy_floor(nbytes, device, repeats)
+        floor_s = copy_floor(nbytes, "cuda:0" if peer else device, repeats, "cuda:1" if peer else None)
         for (op, pattern), (remote, local) in [((op, k), v) for op in ops for k, v in patterns.items()]:
             ray.get(dst.fill.remote(0))
             seconds, descriptors, splits = [], set(), []
@@ -148,7 +159,7 @@ def _read_rows(managers, infos, probe, device, token_counts, total_pages, page_s
             if op == "COPY" and device.startswith("cuda"):
                 hot = ray.get(dst.time_copies.remote(agent, [remote], [local], 20))
             read_s = statistics.median(seconds[1:])
-            rows.append({"op": op, "transport": stats.get("transport", "nixl"),
+            rows.append({"op": op, "transport": stats.get("transport", "nixl") + (", GPU to GPU" if peer else ""),
                          "ucx": label, "poll_max_us": None if poll is None else poll * 1e6, "split_MB": split / 2**20,
                          "tokens": tokens,
                          "pattern": pattern, "pages": n, "bytes": nbytes,
@@ -164,8 +175,19 @@ def _read_rows(managers, infos, probe, device, token_counts, total_pages, page_s
     return rows
 
 
-def app_args(mode: str, dtype: str, device: str, gpu_share: float, **overrides) -> dict:
-    """The single-GPU config's application args for one deployment of ``mode``, ``gpu_share`` per replica.
+def gpu_shares(gpus: int) -> dict[str, float]:
+    """Each role's replica's share of a GPU. One GPU, five engine replicas (the three applications): 0.2 each (a
+    disaggregated replica's KV manager takes 0.1 of it). Two: the decode replica takes a whole GPU, so Ray gives it
+    one that no other replica has a share of, and prefill and aggregated replicas share the other (deploy the
+    aggregated application first, and the ablation once the disaggregated one is gone)."""
+    if gpus > 1:
+        return {"aggregated": 0.5, "prefill": 0.5, "decode": 1.0}
+    return {"aggregated": 0.2, "prefill": 0.2, "decode": 0.2}
+
+
+def app_args(mode: str, dtype: str, device: str, gpu_share: float | dict[str, float], **overrides) -> dict:
+    """The single-GPU config's application args for one deployment of ``mode``, ``gpu_share`` per replica (or per
+    role).
     ``dtype``: the weights' dtype, optionally with the target layers' KV dtype after a colon (``bfloat16:fp8``:
     FP8 target KV beside BF16 draft KV in one pool)."""
     from benchmarks.serve_bench import REPORT_INTERVAL_S
@@ -176,9 +198,10 @@ def app_args(mode: str, dtype: str, device: str, gpu_share: float, **overrides) 
     args["mode"] = mode
     weights, _, kv = dtype.partition(":")
     args["model"].update(dtype=weights, device=device, kv_cache_dtype=kv or "auto")
-    gpus = gpu_share if device.startswith("cuda") else 0
+    shares = gpu_share if isinstance(gpu_share, dict) else dict.fromkeys(("aggregated", "prefill", "decode"), gpu_share)
     for role in ("aggregated", "prefill", "decode"):
-        args[role] = {**args.get(role, {}), "num_replicas": 1, "num_cpus": 1, "num_gpus": gpus}
+        args[role] = {**args.get(role, {}), "num_replicas": 1, "num_cpus": 1,
+                      "num_gpus": shares[role] if device.startswith("cuda") else 0}
     args["metrics_report_interval_s"] = REPORT_INTERVAL_S
     ingresses = overrides.pop("ingress_replicas", None)
     if ingresses is not None:
@@ -189,15 +212,18 @@ def app_args(mode: str, dtype: str, device: str, gpu_share: float, **overrides) 
     return args
 
 
-def deploy(apps: dict[str, dict], port: int) -> dict[str, str]:
+def deploy(apps: dict[str, dict], port: int, one_by_one: bool = False) -> dict[str, str]:
+    """Deploy ``apps`` (all at once, or each healthy before the next: ``gpu_shares``'s placement on two GPUs)."""
     from ray import serve
 
     from serve_app.app import build_app
     from tests.test_serve_support import wait_healthy
 
+    urls = {name: f"http://127.0.0.1:{port}/{name}" for name in apps}
     for name, args in apps.items():
         serve._run(build_app(args), _blocking=False, name=name, route_prefix=f"/{name}")
-    urls = {name: f"http://127.0.0.1:{port}/{name}" for name in apps}
+        if one_by_one:
+            wait_healthy(urls[name], timeout_s=300)
     for url in urls.values():
         wait_healthy(url, timeout_s=300)
     return urls
@@ -208,11 +234,20 @@ def heldout(n: int) -> list[str]:
     return [json.loads(line)["prompt"] for line in lines[:n]]
 
 
-def invariants(urls: dict[str, str], prompts: list[str], max_tokens: int) -> dict:
-    """Aggregated vs disaggregated vs the ablation, one request at a time (equal batch shapes)."""
+def served(urls: dict[str, str], prompts: list[str], max_tokens: int) -> dict:
+    """Each application's greedy tokens and per-step AL for ``prompts``, one request at a time, then its pages in
+    use once they settle and its transfers by transport."""
     from tests.test_serve_support import greedy_completion, wait_pages_free
 
     results = {name: [greedy_completion(url, p, max_tokens) for p in prompts] for name, url in urls.items()}
+    return {"results": results, "pages_in_use_after": dict(zip(urls, wait_pages_free(list(urls.values())))),
+            "transfers_by_transport": {name: transports(url) for name, url in urls.items() if name != "agg"}}
+
+
+def invariants(runs: list[dict]) -> dict:
+    """Aggregated vs disaggregated vs the ablation (``served``'s, in one or more runs), one request at a time
+    (equal batch shapes)."""
+    results = {name: rows for run in runs for name, rows in run["results"].items()}
 
     def mean_al(rows):
         steps = [al for _, als in rows for al in als]
@@ -223,8 +258,8 @@ def invariants(urls: dict[str, str], prompts: list[str], max_tokens: int) -> dic
             "per_step_al_disagg_equal_agg": [a for _, a in disagg] == [a for _, a in agg],
             "tokens_ablation_equal_agg": [t for t, _ in ablate] == [t for t, _ in agg],
             "mean_al": {name: round(mean_al(rows), 3) for name, rows in results.items()},
-            "pages_in_use_after": dict(zip(urls, wait_pages_free(list(urls.values())))),
-            "transfers_by_transport": {name: transports(url) for name, url in urls.items() if name != "agg"}}
+            "pages_in_use_after": {k: v for run in runs for k, v in run["pages_in_use_after"].items()},
+            "transfers_by_transport": {k: v for run in runs for k, v in run["transfers_by_transport"].items()}}
 
 
 def transports(url: str) -> dict[str, float]:
@@ -403,17 +438,14 @@ def offline(args, concurrencies: list[int], repeats: int, output_len: int, dtype
     """The engine alone on the same GPU: batches of ``concurrency`` held-out prompts through ``LLM.generate``, and
     closed loops (``closed_loop``); the staggered one also with ``cuda_graphs: decode`` (prompt steps eager). With
     ``profiles``, one more staggered loop at the highest concurrency under cProfile, its report appended there."""
-    from benchmarks.serve_bench import _bench_args
     from engine.sequence import SamplingParams
-    from serve_app.bench import _prompts
 
     llm, decode_only = demo_llm(args.device, dtype, "auto"), demo_llm(args.device, dtype, "decode")
-    ns = argparse.Namespace(prompt_file=str(REPO / "benchmarks" / "prompts" / "heldout.jsonl"), input_len=64,
-                            output_len=output_len, min_requests=getattr(args, "min_requests", 16))
+    min_requests = getattr(args, "min_requests", 16)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     rows = []
     for _repeat, concurrency in [(r, c) for r in range(repeats) for c in concurrencies]:
-        prompts = _prompts(_bench_args("", "offline", concurrency, ns))
+        prompts = _prompts_for(concurrency, output_len, min_requests)
         llm.generate(prompts[:1], params)
         _sync(args.device)
         start, tokens = time.perf_counter(), 0
@@ -427,9 +459,19 @@ def offline(args, concurrencies: list[int], repeats: int, output_len: int, dtype
             rows.append({"label": label, "max_concurrency": concurrency,
                          **closed_loop(runner, prompts, params, concurrency, stagger)})
     if profiles is not None:
-        prompts = _prompts(_bench_args("", "offline", max(concurrencies), ns))
+        prompts = _prompts_for(max(concurrencies), output_len, min_requests)
         profiles.append(profiled_closed_loop(llm, prompts, params, max(concurrencies)))
     return rows
+
+
+def _prompts_for(concurrency: int, output_len: int, min_requests: int) -> list[str]:
+    """The held-out prompts the load client sends at ``concurrency`` (``dflash-serve bench``'s choice)."""
+    from benchmarks.serve_bench import _bench_args
+    from serve_app.bench import _prompts
+
+    ns = argparse.Namespace(prompt_file=str(REPO / "benchmarks" / "prompts" / "heldout.jsonl"), input_len=64,
+                            output_len=output_len, min_requests=min_requests)
+    return _prompts(_bench_args("", "offline", concurrency, ns))
 
 
 def closed_loop(llm, prompts: list[str], params, concurrency: int, stagger: bool = False) -> dict:
@@ -475,6 +517,9 @@ def closed_loop(llm, prompts: list[str], params, concurrency: int, stagger: bool
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--gpus", type=int, default=1, choices=[1, 2],
+                   help="GPUs of this host to use: 2 places the two KV managers of the page moves, and the "
+                        "disaggregated application's prefill and decode replicas, on different GPUs")
     p.add_argument("--parts", nargs="+", default=["pages", "service", "throughput"],
                    choices=["pages", "service", "throughput"])
     p.add_argument("--tokens", type=int, nargs="+", default=None,
@@ -547,12 +592,13 @@ def main() -> int:
         raise SystemExit("--device cuda: no GPU visible")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result: dict = {"device": torch.cuda.get_device_name() if gpu else "cpu", "config": str(CONFIG.relative_to(REPO)),
+    result: dict = {"device": torch.cuda.get_device_name() if gpu else "cpu", "gpus": args.gpus if gpu else 0,
+                    "config": str(CONFIG.relative_to(REPO)),
                     "serve_mode": args.serve_mode}
     # Ray starts workers at nice 15; the offline engine runs here at nice 0 (see benchmarks/serve_bench.py).
     os.environ.setdefault("RAY_worker_niceness", "0")
     # Logical CPUs: 3 applications x (ingress + 2 engine replicas) take 1 each, more than a small box has.
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 12), num_gpus=1 if gpu else 0,
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 12), num_gpus=args.gpus if gpu else 0,
              include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **serving}})
     try:
@@ -564,7 +610,8 @@ def main() -> int:
                 env = dict(kv.split("=", 1) for kv in assignments.split(";") if kv)
                 try:
                     result["pages"] += page_moves(args.device, tokens, args.repeats, env, label, args.poll,
-                                                  [int(mb * 2**20) for mb in args.split_mb or [0]], args.ops)
+                                                  [int(mb * 2**20) for mb in args.split_mb or [0]], args.ops,
+                                                  args.gpus)
                 except Exception as e:       # a UCX setting that cannot READ here: say so, try the next
                     result["pages"].append({"ucx": label, "error": f"{type(e).__name__}: {str(e)[-300:]}"})
                     print(result["pages"][-1], flush=True)
@@ -573,19 +620,20 @@ def main() -> int:
         if "service" in args.parts or "throughput" in args.parts:
             port = free_port()
             serve.start(http_options={"host": "127.0.0.1", "port": port})
+            two = gpu and args.gpus > 1
+            shares = gpu_shares(args.gpus if gpu else 1)
             for dtype in args.dtypes:
-                # One GPU, five engine replicas: 0.2 each (a disaggregated replica's KV manager takes 0.1 of it).
                 first = {k: v for k, v in variants[0].items() if k != "client_processes"}
-                apps = {"agg": app_args("aggregated", dtype, args.device, 0.2, **first),
-                        "disagg": app_args("disaggregated", dtype, args.device, 0.2, **first),
-                        "ablate": app_args("disaggregated", dtype, args.device, 0.2, transfer_draft_kv=False)}
+                apps = {"agg": app_args("aggregated", dtype, args.device, shares, **first),
+                        "disagg": app_args("disaggregated", dtype, args.device, shares, **first),
+                        "ablate": app_args("disaggregated", dtype, args.device, shares, transfer_draft_kv=False)}
                 if "service" not in args.parts:     # throughput alone: the applications --apps names
                     apps = {name: apps[name] for name in args.apps}
-                urls = deploy(apps, port)
-                if "service" in args.parts:
-                    result.setdefault("service", {})[dtype] = invariants(urls, heldout(args.num_prompts), args.max_tokens)
-                    print(dtype, json.dumps(result["service"][dtype]), flush=True)
-                    save(out, result)
+                # Two GPUs: the ablation's decode replica would want a third; it comes once the disaggregated
+                # application is gone.
+                later = {"ablate": apps.pop("ablate")} if two and "ablate" in apps else {}
+                urls = deploy(apps, port, one_by_one=two)
+                runs = [served(urls, heldout(args.num_prompts), args.max_tokens)] if "service" in args.parts else []
                 if "throughput" in args.parts and dtype == args.dtypes[0]:
                     for name in set(urls) - set(args.apps):
                         serve.delete(name)
@@ -595,8 +643,8 @@ def main() -> int:
                             for name in args.apps:
                                 serve.delete(name)
                             settings = {k: v for k, v in variant.items() if k != "client_processes"}
-                            urls = deploy({name: app_args(apps[name]["mode"], dtype, args.device, 0.2, **settings)
-                                           for name in args.apps}, port)
+                            urls = deploy({name: app_args(apps[name]["mode"], dtype, args.device, shares, **settings)
+                                           for name in args.apps}, port, one_by_one=two)
                         with off_engine_cpus(variant.get("engine_cpus")):       # the load client too
                             batch = throughput(urls, args.concurrency, args.repeats, 64,
                                                variant.get("client_processes", 1), args.min_requests,
@@ -611,6 +659,15 @@ def main() -> int:
                                 paired=args.paired, paired_idle=args.paired_idle, prompt_file=None, input_len=64,
                                 output_len=8, min_requests=1))
                             print(format_paired(result["paired"]), flush=True)
+                if later:
+                    if "disagg" in serve.status().applications:
+                        serve.delete("disagg")
+                    runs.append(served(deploy(later, port), heldout(args.num_prompts), args.max_tokens))
+                    urls.update(ablate=f"http://127.0.0.1:{port}/ablate")
+                if runs:
+                    result.setdefault("service", {})[dtype] = invariants(runs)
+                    print(dtype, json.dumps(result["service"][dtype]), flush=True)
+                    save(out, result)
                 for name in list(urls):
                     if name in serve.status().applications:
                         serve.delete(name)
@@ -651,7 +708,8 @@ def save(out: Path, result: dict) -> None:
 def print_tables(result: dict) -> None:
     from actors.nixl_transfer import READ_POLL_MAX_S
 
-    print(f"\n{result['device']}, {result['config']}, Serve mode {result.get('serve_mode')}")
+    gpus = f" x{result['gpus']}" if result.get("gpus", 1) > 1 else ""
+    print(f"\n{result['device']}{gpus}, {result['config']}, Serve mode {result.get('serve_mode')}")
     if result.get("pages"):
         print("\n| op | transport | UCX | poll max us | split MiB | prompt tokens | pages | pattern | MB | descriptors | "
               "move ms | plan / post / launch / wait ms | copy ms | move / copy speed | landed | "

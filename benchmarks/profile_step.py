@@ -3,6 +3,15 @@ as ``cuda_graphs: auto`` runs it), or with ``--host`` the host's Python time per
 the time the step waits for the device shows up in the one host read, ``tolist``).
 
 python benchmarks/profile_step.py --preset qwen3-8b --device cuda --batch 1 [--host]
+
+With ``--demo`` it is the service's engine instead: the bundled demo pair (target and DFlash drafter, float32,
+configured as ``cluster_configs/disagg_1gpu.yaml``'s replicas) in a staggered closed loop of ``--batch`` streams
+(``benchmarks/gpu_service.py``'s offline loop: held-out prompts, 64 tokens each, a new request as one ends, as the
+HTTP load client feeds a server). It prints the steps' wall times and their wait for the device, each of
+``--repeats`` runs, then (``--host``) one more run under cProfile: own time and calls per step of the busiest
+functions.
+
+PYTHONPATH=. python benchmarks/profile_step.py --demo --device cuda --batch 16 --host
 """
 
 from __future__ import annotations
@@ -26,8 +35,12 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--host", action="store_true", help="cProfile the host's Python instead of torch.profiler")
+    ap.add_argument("--demo", action="store_true", help="the demo pair in a staggered closed loop of --batch streams")
+    ap.add_argument("--repeats", type=int, default=3, help="--demo: timed runs before the profiled one")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.demo:
+        return demo(args)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     preset = PRESETS[args.preset]
@@ -69,6 +82,26 @@ def main():
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     if device.type == "cuda":
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
+
+
+def demo(args) -> None:
+    from benchmarks.gpu_service import (REPO, _prompts_for, closed_loop, demo_llm, format_profiles,
+                                        profiled_closed_loop)
+    from engine import SamplingParams
+
+    llm = demo_llm(args.device, "float32")
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    prompts = _prompts_for(args.batch, 64, min_requests=4 * args.batch)
+    closed_loop(llm, prompts[:args.batch], params, args.batch, stagger=True)       # warm-up: graphs, caches
+    print(f"demo pair, {args.device}, {REPO.name}, staggered closed loop of {args.batch} streams, "
+          f"{len(prompts)} requests of 64 tokens")
+    for _ in range(args.repeats):
+        row = closed_loop(llm, prompts, params, args.batch, stagger=True)
+        print(f"  {row['output_throughput']:.0f} tok/s; steps that computed a prompt {row['prefill_steps']}, "
+              f"p50 {row['prefill_step_ms_p50']:.3f} ms; the others {row['decode_steps']}, "
+              f"p50 {row['decode_step_ms_p50']:.3f} ms; waiting for the device {row['device_wait_ms']:.3f} ms a step")
+    if args.host:
+        print(format_profiles([profiled_closed_loop(llm, prompts, params, args.batch)]))
 
 
 if __name__ == "__main__":
