@@ -215,12 +215,12 @@ class ModelRunner:
         when its rows are of one short length (a prompt's few tokens after a prefix-cache hit, which no decode graph
         fits): through the ragged graphs, or eagerly with the same tiles (the same numbers either way). Only decode
         and verification steps, every logit wanted, take the split-KV kernel and the decode graphs."""
-        ragged = len(logit_rows) != len(ids)
+        ragged = len(logit_rows) != ids.shape[0]
         if (self.ragged is not None and tuple(capture_layers) == self._graph_capture_layers
                 and self._ragged_tiles(not ragged and all(r.num_tokens == rows[0].num_tokens for r in rows),
                                        max(r.num_tokens for r in rows))):
             tables, mirror, table_rows = row_tables(self.kv, self.target_space, rows, self.device)
-            if self.ragged.accepts(len(ids), len(rows), max(map(len, tables))):
+            if self.ragged.accepts(ids.shape[0], len(rows), max(map(len, tables))):
                 outputs = self.ragged.run([r.start for r in rows], [r.num_tokens for r in rows], table_rows,
                                           mirror.table, [ids])
                 index = upload(logit_rows, torch.int64, self.device)

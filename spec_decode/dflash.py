@@ -243,7 +243,7 @@ class DFlashSpeculator:
         """Project the captured target hidden states and write them as drafter context K/V, all rows at once."""
         # A finished request's pages are gone, unless it holds them for a decode peer that drafts from them, or it
         # ended in the step now concluding (its pages go to the prefix cache with their context at the step's end).
-        items = [(r, start, h) for r, start, h in items if len(h) and (not r.finished or r.hold_pages or r.ending)]
+        items = [(r, start, h) for r, start, h in items if h.shape[0] and (not r.finished or r.hold_pages or r.ending)]
         if self._pending:               # not taken by a draft since the last store (never expected): store it first
             self._store_now([self._take_pending(r) for r, _, _ in list(self._pending.values())])
         for r, start, _ in items:
@@ -252,7 +252,7 @@ class DFlashSpeculator:
                                    f"new context starts at {start}")
         if self.graphs is not None:
             # A running request's block waits for its next draft; a held one's context must be in its pages now.
-            later = [(r, start, h) for r, start, h in items if not r.finished and len(h) <= self.num_spec_tokens + 1]
+            later = [(r, start, h) for r, start, h in items if not r.finished and h.shape[0] <= self.num_spec_tokens + 1]
             self._pending_source = _rows_spanned([h for _, _, h in later])
             self._pending = {item[0].request_id: item for item in later} if self._pending_source is not None else {}
             items = [item for item in items if item[0].request_id not in self._pending]
@@ -271,14 +271,14 @@ class DFlashSpeculator:
         items = [item for item in items if item is not None]
         if not items:
             return
-        rows = [Row(r.request_id, start, len(h)) for r, start, h in items]
+        rows = [Row(r.request_id, start, h.shape[0]) for r, start, h in items]
         if self.store_graphs is not None and self.tp is None:
             tables, mirror, table_rows = row_tables(self.kv, self.space, rows, self.drafter.device)
             if self.store_graphs.accepts(sum(r.num_tokens for r in rows), len(rows), max(map(len, tables))):
                 self.store_graphs.run([r.start for r in rows], [r.num_tokens for r in rows], table_rows,
                                       mirror.table, [h for _, _, h in items])
                 for r, start, h in items:
-                    r.num_draft_context = start + len(h)
+                    r.num_draft_context = start + h.shape[0]
                 return
         positions, meta = build_metadata(self.kv, self.space, rows, causal=False, backend=self.backend,
                                          device=self.drafter.device)
@@ -286,11 +286,11 @@ class DFlashSpeculator:
             # Every rank holds the same captured hidden states (the residual stream is replicated); the engine
             # passes row slices of them, so the rows' offsets tell the other ranks which to store.
             index = torch.cat([torch.arange(h.storage_offset() // h.stride(0), h.storage_offset() // h.stride(0)
-                                            + len(h)) for _, _, h in items])
+                                            + h.shape[0]) for _, _, h in items])
             self.tp.publish(OP_STORE, (), [positions, meta.slot_mapping, index])
         self._store(torch.cat([h for _, _, h in items]), positions, meta.slot_mapping)
         for r, start, h in items:
-            r.num_draft_context = start + len(h)
+            r.num_draft_context = start + h.shape[0]
 
     def _store(self, captured: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         context = self.drafter.project_context(captured, self.backend)
@@ -336,7 +336,7 @@ def _rows_spanned(slices: Sequence[torch.Tensor]) -> torch.Tensor | None:
     if any(h.dim() != 2 or h.stride() != stride or stride[1] != 1 or h.shape[1] != first.shape[1]
            or h.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for h in slices):
         return None
-    end = max(h.storage_offset() + len(h) * stride[0] for h in slices)
+    end = max(h.storage_offset() + h.shape[0] * stride[0] for h in slices)
     return first.as_strided((-(-(end - first.storage_offset()) // stride[0]), first.shape[1]), stride,
                             first.storage_offset())
 
