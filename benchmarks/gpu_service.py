@@ -351,6 +351,7 @@ def profiled_closed_loop(llm, prompts, params, concurrency: int) -> dict:
     import gc
 
     profile, clock = cProfile.Profile(), _GcClock()
+    prompts = [llm.tokenizer.encode(p) for p in prompts]        # outside the profile: the engine's work only
     gc.callbacks.append(clock)
     profile.enable()
     try:
@@ -474,16 +475,18 @@ def _prompts_for(concurrency: int, output_len: int, min_requests: int) -> list[s
     return _prompts(_bench_args("", "offline", concurrency, ns))
 
 
-def closed_loop(llm, prompts: list[str], params, concurrency: int, stagger: bool = False) -> dict:
+def closed_loop(llm, prompts: list[str] | list[list[int]], params, concurrency: int, stagger: bool = False) -> dict:
     """The engine alone fed as the HTTP load client feeds a server: ``concurrency`` requests in flight, the next
     one added as soon as one finishes (the batched offline run above starts each batch of ``concurrency``
     together and runs it to its end, so its rows never change mid-run). Started together, requests of one output
     length stay in step and finish together; ``stagger`` starts them one step apart, as requests arriving over
     HTTP do, so they keep arriving one or two at a time. Returns output tokens/s and the steps' wall times, split
-    into those that brought a request's first token (a prompt was computed) and the others."""
+    into those that brought a request's first token (a prompt was computed) and the others. ``prompts``: texts, or
+    token ids."""
     import torch
 
-    engine, waiting = llm.engine, [llm.tokenizer.encode(p) for p in reversed(prompts)]
+    engine = llm.engine
+    waiting = [p if isinstance(p, list) else llm.tokenizer.encode(p) for p in reversed(prompts)]
     live = tokens = 0
     times: dict[str, list[float]] = {"prefill": [], "decode": []}
     start = last = time.perf_counter()
