@@ -156,18 +156,12 @@ class EngineReplica:
             else:
                 self.engine.close_stream(request_id)
 
-    def shutdown(self) -> None:
-        self.group.shutdown()
-        gc.unfreeze()       # a process that goes on (a test run, a notebook) must collect what this replica held
-
-
-class AggregatedReplica(EngineReplica):
-    """Prefill and decode in one engine: no transfer."""
-
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        sink: SinkAddress | None = None) -> AsyncIterator[dict]:
-        """The request's chunks; with a ``sink`` on this node its token chunks go there instead, straight from the
-        engine's process, and this stream carries only a refusal or failure (``actors.sink``)."""
+        """The request's chunks, its prompt and its decode on this replica's engine; with a ``sink`` on this node its
+        token chunks go there instead, straight from the engine's process, and this stream carries only a refusal
+        or failure (``actors.sink``). A prefill or a decode replica runs requests whole so while the other role has
+        no replica that can serve (``serve_app.router``): its engine is a whole engine, drafter included."""
         try:
             queue = self.engine.open_stream(request_id)
         except ValueError as e:
@@ -184,6 +178,14 @@ class AggregatedReplica(EngineReplica):
             return
         async for chunk in self._stream(request_id, queue):
             yield chunk
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
+        gc.unfreeze()       # a process that goes on (a test run, a notebook) must collect what this replica held
+
+
+class AggregatedReplica(EngineReplica):
+    """Prefill and decode in one engine: no transfer."""
 
     async def generate_all(self, requests: Sequence[tuple[str, list[int], SamplingParams]]) -> list[RequestOutput]:
         """Every request at once (offline use); outputs in request order."""

@@ -18,7 +18,7 @@ request may be left running or waiting, and ``/health`` must answer. Exits 1 whe
 failures printed; prints requests and outcomes by kind, and end-to-end latency percentiles.
 
 **Kills** (``--kill-every S``, the service on this host): meanwhile, every S seconds or so (once the service
-answers ``/health`` again after the last), one of its processes is killed with SIGKILL, drawn from
+answers ``/health`` ``ok`` again after the last), one of its processes is killed with SIGKILL, drawn from
 ``--kill-kinds``: an engine's process, a KV manager, a tensor-parallel rank's worker, a prefill, decode or
 aggregated replica (an ingress too, if asked: its clients' connections drop). Then a request may also end in a
 clean error (an HTTP 5xx or a stream's error event, each with an OpenAI error object), but only one that overlapped
@@ -91,6 +91,13 @@ KILLABLE = {"engine": ("ray::EngineHost",), "kv_manager": ("ray::KVManagerActor"
 # plain 500, as do the requests the dead ingress was answering (its streams are cut). Measured: the requests that
 # began up to 0.07 s after the kill.
 INGRESS_GONE_S = 5.0
+
+
+def _health(url: str) -> tuple[int, str]:
+    """/health's status code, and its ``status`` (``ok``, ``degraded``) or error message."""
+    r = httpx.get(f"{url}/health", timeout=30)
+    body = r.json()
+    return r.status_code, body["status"] if r.status_code == 200 else body["error"]["message"]
 
 
 def _victims(kinds: list[str]) -> list[tuple[int, str]]:
@@ -339,12 +346,12 @@ class Soak:
 
     async def killer(self, session, deadline: float) -> None:
         """SIGKILL one of the service's processes every ``--kill-every`` seconds or so, each once ``/health``
-        answers 200 again after the one before, none in the load's last ``--recovery-s``."""
+        answers ``ok`` again after the one before, none in the load's last ``--recovery-s``."""
         while True:
             await asyncio.sleep(self.args.kill_every * self.rng.uniform(0.5, 1.5))
             while time.monotonic() < deadline - self.args.recovery_s:
-                async with session.get(f"{self.url}/health") as r:
-                    if r.status == 200:
+                async with session.get(f"{self.url}/health") as r:      # every role up, not "degraded"
+                    if r.status == 200 and (await r.json())["status"] == "ok":
                         break
                 await asyncio.sleep(1.0)
             if time.monotonic() >= deadline - self.args.recovery_s:
@@ -365,8 +372,7 @@ class Soak:
         """After kills: every replica back (as many per role as before the load) within ``--recovery-s``, then
         each probe sent alone gives its answer alone."""
         deadline = time.monotonic() + self.args.recovery_s
-        while (now := _replicas(self.url)) != replicas or \
-                httpx.get(f"{self.url}/health", timeout=30).status_code != 200:
+        while (now := _replicas(self.url)) != replicas or _health(self.url) != (200, "ok"):
             if time.monotonic() > deadline:
                 self.fail(f"{self.args.recovery_s:g} s after the load: replicas {now}, before it {replicas}")
                 return
@@ -458,9 +464,9 @@ def main() -> int:
     settled, gauges = settle(url, settle_s)
     if not settled:
         soak.fail(f"after {settle_s:g} s without load: {gauges}")
-    health = httpx.get(f"{url}/health", timeout=30)
-    if health.status_code != 200:
-        soak.fail(f"/health: HTTP {health.status_code} {health.text[:200]}")
+    health = _health(url)
+    if health != (200, "ok"):
+        soak.fail(f"/health: {health}")
 
     total = sum(soak.outcomes.values())
     lengths = [a.prompt_tokens for a in soak.refs.values()] or [0]
@@ -483,7 +489,7 @@ def main() -> int:
         pct = _pct(values)
         print(f"probe end-to-end, {mode}: p50 {pct['p50'] * 1e3:.0f} ms, p90 {pct['p90'] * 1e3:.0f} ms, p99 "
               f"{pct['p99'] * 1e3:.0f} ms ({len(values)})")
-    print(f"after the load: {'every gauge back to 0' if settled else gauges}; /health {health.status_code}")
+    print(f"after the load: {'every gauge back to 0' if settled else gauges}; /health {health}")
     if soak.failures:
         print(f"\n{soak.outcomes['FAILED']} FAILED, the first {len(soak.failures)}:")
         for failure in soak.failures:

@@ -124,8 +124,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                   blocking=False)
         deadline = time.monotonic() + args.ready_timeout
         while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+            try:        # every role up ("degraded": one serves while the other's replicas still start)
+                r = httpx.get(f"{url}/health", timeout=5)
+                if r.status_code == 200 and r.json()["status"] == "ok":
                     break
             except httpx.HTTPError:
                 pass

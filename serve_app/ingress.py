@@ -11,6 +11,7 @@ request id.
 
 import asyncio
 import codecs
+import collections
 import concurrent.futures
 import contextvars
 import dataclasses
@@ -45,7 +46,7 @@ from serve_app.protocol import (APIError, AssistantMessage, ChatChoice, ChatChun
                                 ChatTokenLogprob, CompletionChoice, CompletionChunk, CompletionLogprobs,
                                 CompletionRequest, CompletionResponse, PromptTokensDetails, SpecDecodeUsage,
                                 TopLogprob, Usage, check_text, max_tokens_field, render_chat, sampling_params)
-from serve_app.router import Router
+from serve_app.router import Router, unavailable
 
 log = logging.getLogger("dflash.ingress")
 # /docs and /openapi.json are off unless the config turns them on (``Ingress.__init__``).
@@ -151,13 +152,12 @@ async def _cancel_all(tasks: list[asyncio.Task]) -> None:
 
 def _error_chunk_from(e: BaseException) -> dict:
     """A Serve or Ray failure (a replica died, none is available, back-pressure) as an error chunk."""
-    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+    from ray.serve.exceptions import BackPressureError
 
     detail = f"{type(e).__name__}: {e}"
     if isinstance(e, BackPressureError):
         return {"type": "error", "status": 503, "message": detail, "error_type": "overloaded"}
-    if isinstance(e, DeploymentUnavailableError) or type(e).__name__ in ("RayActorError", "ActorDiedError",
-                                                                          "ActorUnavailableError"):
+    if unavailable(e):
         return {"type": "error", "status": 503, "message": detail, "error_type": "unavailable"}
     return {"type": "error", "status": 500, "message": detail, "error_type": "server_error"}
 
@@ -362,7 +362,9 @@ class Ingress:
         self.sink = ChunkSink(self.ingress_id) if self.service.direct_chunks else None
         self.router = Router(backends, on_transfer=lambda stats: self.metrics.observe_transfer(stats, stats is None),
                              sink=self.sink, stream_interval=self.service.stream_interval,
-                             on_chunk=lambda path: self.metrics.stream_chunks.labels(self.model_name, path).inc())
+                             on_chunk=lambda path: self.metrics.stream_chunks.labels(self.model_name, path).inc(),
+                             healthy=self._healthy_replicas,
+                             on_whole=lambda role: self.metrics.requests_whole.labels(self.model_name, role).inc())
         self.hub = hub
         self._hub_client = HubClient(hub)      # for the reporter thread
         self._closed = threading.Event()
@@ -382,6 +384,7 @@ class Ingress:
         self._ready = False
         self._refresh: asyncio.Task | None = None      # a readiness refresh running in the background
         self._unready: list[str] = list(self.roles)
+        self._healthy: dict[str, int] | None = None      # healthy replicas per role (None until the hub answered)
         self._created = int(time.time())
         # Tokenizing a large prompt takes a second: never on the event loop, which serves every other request.
         self._cpu = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize",
@@ -411,29 +414,41 @@ class Ingress:
     # --- admission --------------------------------------------------------------------------------
     async def _snapshots(self) -> dict[str, dict]:
         snaps = await self.hub.snapshots.remote()
-        self._unready = [role for role in self.roles
-                         if not any(s["role"] == role and s.get("healthy", True) for s in snaps.values())]
-        self._ready = not self._unready
+        self._healthy = collections.Counter(s["role"] for s in snaps.values() if s.get("healthy", True))
+        self._unready = [role for role in self.roles if not self._healthy[role]]
+        # Ready while a role serves: a disaggregated service with one role down runs requests whole on the other.
+        self._ready = len(self._unready) < len(self.roles)
         self._ready_at = time.monotonic()
         return snaps
 
     async def _check_ready(self) -> None:
-        """Refuse (503) while a role has no healthy replica, as the hub last said. The hub is asked at most every
-        READY_TTL_S, and a request never waits for it while the service is known to be ready: a stale answer is
+        """Refuse (503) while no role has a healthy replica, as the hub last said. The hub is asked at most every
+        READY_TTL_S, and a request never waits for it while every role is known to be up: a stale answer is
         refreshed in the background (a Serve call, milliseconds on every request's time to first token otherwise).
-        Only a service not known to be ready waits for a fresh answer, every time."""
-        stale = time.monotonic() - self._ready_at > READY_TTL_S
-        if (stale or not self._ready) and (self._refresh is None or self._refresh.done()):
-            # In a context of its own: not this request's call (its cancellation must not cancel the refresh).
-            self._refresh = asyncio.get_running_loop().create_task(self._refresh_ready(),
-                                                                   context=contextvars.Context())
-        if not self._ready:
-            # Never refused on a stale "not ready" (another ingress may already have seen the role recover):
-            # wait for the refresh in flight, one per ingress however many requests wait on it.
+        Only a service not known to be whole waits for a fresh answer once it is stale."""
+        if self._refresh_if_stale() and (not self._ready or self._unready):
+            # Never refused, nor run whole (``Router.whole_on``), on a stale answer that a role is down (another
+            # ingress may already have seen it recover): wait for the refresh in flight, one per ingress however
+            # many requests wait on it.
             await asyncio.shield(self._refresh)
         if not self._ready:
             raise APIError(503, f"no healthy replica for: {', '.join(self._unready)}; retry later", "unavailable",
                            code="unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    def _refresh_if_stale(self) -> bool:
+        """Ask the hub again, in the background, when its last answer is older than READY_TTL_S or said no role
+        can serve; whether it did (or a refresh is in flight: ``self._refresh``)."""
+        stale = time.monotonic() - self._ready_at > READY_TTL_S or not self._ready
+        if stale and (self._refresh is None or self._refresh.done()):
+            # In a context of its own: not this request's call (its cancellation must not cancel the refresh).
+            self._refresh = asyncio.get_running_loop().create_task(self._refresh_ready(),
+                                                                   context=contextvars.Context())
+        return stale
+
+    def _healthy_replicas(self) -> dict[str, int] | None:
+        """The router's view: healthy replicas per role, as the hub last said (refreshed when stale)."""
+        self._refresh_if_stale()
+        return self._healthy
 
     async def _refresh_ready(self) -> None:
         try:
@@ -488,10 +503,18 @@ class Ingress:
     # --- endpoints ----------------------------------------------------------------------------------
     @api.get("/health")
     async def health(self):
+        """200 ``ok``; 200 ``degraded`` while one role of a disaggregated service has no healthy replica (the
+        other runs requests whole meanwhile, ``serve_app.router``); 503 while no role can serve."""
         await self._snapshots()
         if not self._ready:
             raise APIError(503, f"no healthy replica for: {', '.join(self._unready)}", "unavailable",
                            code="unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+        whole = self.router.whole_on()      # (the hub's view, and the calls that failed here)
+        if whole is not None:
+            down = [role for role in self.roles if role != whole]
+            return {"status": "degraded", "unavailable": down,
+                    "message": f"no healthy replica for: {', '.join(down)}; requests run whole on the {whole} "
+                               "replicas"}
         return {"status": "ok"}
 
     @api.get("/v1/models")

@@ -163,6 +163,10 @@ class ServiceMetrics:
         # A request sent again because a replica failed before its first token (``serve_app.ingress.RETRY_PAUSES_S``)
         self.request_retries = Counter("dflash_request_retries", "Requests sent again after a replica failed before "
                                        "their first token", m + ["error_type"], registry=r)
+        # A disaggregated service's request run whole (prompt and decode) on a replica of ``role`` while the other
+        # role could not serve (``serve_app.router``)
+        self.requests_whole = Counter("dflash_requests_run_whole", "Requests run whole on one role's replica while "
+                                      "the other role had no replica that could serve", m + ["role"], registry=r)
         self.ttft = Histogram("dflash_time_to_first_token_seconds", "Time to first token", m, buckets=TTFT_BUCKETS,
                               registry=r)
         self.itl = Histogram("dflash_inter_token_latency_seconds", "Time between streamed tokens", m,

@@ -3,6 +3,11 @@
 Serve's handles pick the replicas (power of two choices over queue lengths), the prefill and the decode one at once;
 the decode replica's engine process registers the prefill peer named in the ticket on first sight, so any decode
 replica can take any prefill's ticket.
+
+While one of the two roles has no replica that can serve (none healthy, as the metrics hub says, or its only one
+failed a call as unavailable, ``Router.whole_on``), a request runs whole on a replica of the other role, whose
+engine computes its prompt as an aggregated one does: a lost prefill replica costs no request while Serve replaces
+it (nor a lost decode replica: the prefill replica decodes then).
 """
 
 from __future__ import annotations
@@ -24,13 +29,29 @@ log = logging.getLogger(__name__)
 
 # How long a request whose replica stream ended waits for its last chunk on the sink (sent before that end).
 LAST_CHUNK_S = 10.0
+# How long a role whose call failed as unavailable (its replica lost a process, or is gone) is passed over: its
+# replica leaves within about two seconds, and the hub, which also names a role without a healthy replica, may go
+# on listing a dead one for five seconds (``serve_app.metrics.STALE_REPORTS``); a replacement takes longer.
+DOWN_S = 10.0
+ROLES = ("prefill", "decode")
+# While a request waits for its prefill's result or its decode call's first chunk, how often the router asks
+# whether that role can still serve: Serve holds a call to a replica that died until a replacement is up (tens of
+# seconds to minutes), and such a request is given up as unavailable and sent again, whole on the other role.
+WATCH_S = 0.5
 
 
 class Router:
     def __init__(self, backends: dict, on_transfer=None, sink: ChunkSink | None = None, stream_interval: int = 1,
-                 on_chunk=None):
+                 on_chunk=None, healthy=None, on_whole=None, clock=time.monotonic):
         self.backends = backends
         self.disaggregated = "prefill" in backends
+        # Healthy replicas per role, as the metrics hub last said (the ingress's view; None: not known), and a
+        # role's call per request run whole on it (``whole_on``).
+        self.healthy = healthy or (lambda: None)
+        self.on_whole = on_whole or (lambda role: None)
+        self._clock = clock
+        # role -> when a call to it last failed as unavailable, and its healthy replicas then (the hub's view)
+        self._failed_at: dict[str, tuple[float, int]] = {}
         # With a sink, the engine processes on this node send the requests' token chunks straight to it
         # (``actors.sink``), a step's at a time, and the replicas' streams carry only refusals and failures.
         self.sink = sink
@@ -56,13 +77,54 @@ class Router:
             if self.sink is not None:
                 self.sink.close(request_id)
 
+    def whole_on(self) -> str | None:
+        """The role to run a request whole on: the other one while prefill or decode cannot serve, else None (both
+        can, or neither: the request goes the usual way, and fails as unavailable). A role cannot serve while it
+        has no healthy replica, or while its only one failed a call as unavailable in the last ``DOWN_S`` and the
+        hub has not dropped it since (of several, Serve routes around the one that failed)."""
+        if not self.disaggregated:
+            return None
+        now, healthy = self._clock(), self.healthy()
+
+        def down(role: str) -> bool:
+            replicas = 1 if healthy is None else healthy.get(role, 0)
+            failed = self._failed_at.get(role)
+            if failed is not None and (now - failed[0] >= DOWN_S or replicas < failed[1]):
+                del self._failed_at[role]       # long ago, or the hub no longer counts the replica that failed
+                failed = None
+            return replicas == 0 or (replicas == 1 and failed is not None)
+
+        serving = [role for role in ROLES if not down(role)]
+        return serving[0] if len(serving) == 1 else None
+
+    def _failed(self, role: str, failure: dict | BaseException) -> None:
+        """Note a call to ``role`` that failed (an error chunk, or the exception its call raised): one that says
+        the replica cannot serve passes the role over (``whole_on``)."""
+        if failure.get("error_type") == "unavailable" if isinstance(failure, dict) else unavailable(failure):
+            healthy = self.healthy()
+            replicas = 1 if healthy is None else healthy.get(role, 0)
+            if replicas == 0:       # the hub says so already (a mark would outlast its replacement's coming)
+                return
+            if role not in self._failed_at:
+                log.warning("a %s replica cannot serve; while it has no other, requests run whole on %s replicas",
+                            role, next(r for r in ROLES if r != role))
+            self._failed_at[role] = (self._clock(), replicas)
+
+    async def _whole(self, role: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink,
+                     queue) -> AsyncIterator[dict]:
+        """The request on one replica of ``role``, prompt and decode (``EngineReplica.generate``)."""
+        gen = self.backends[role].options(stream=True).generate.remote(request_id, prompt_token_ids, params, sink)
+        chunks = self._relayed(gen) if sink is None else self._through_sink(request_id, gen, queue)
+        async for chunk in self._noting(role, chunks) if self.disaggregated else chunks:
+            yield chunk
+
     async def _stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink, queue
                       ) -> AsyncIterator[dict]:
-        if not self.disaggregated:
-            gen = self.backends["aggregated"].options(stream=True).generate.remote(request_id, prompt_token_ids,
-                                                                                  params, sink)
-            chunks = self._relayed(gen) if sink is None else self._through_sink(request_id, gen, queue)
-            async for chunk in chunks:
+        role = "aggregated" if not self.disaggregated else self.whole_on()
+        if role is not None:
+            if self.disaggregated:
+                self.on_whole(role)
+            async for chunk in self._whole(role, request_id, prompt_token_ids, params, sink, queue):
                 yield chunk
             return
         # The decode call goes out with the prefill: its replica's engine process reserves the prompt's pages while the
@@ -79,8 +141,17 @@ class Router:
             self.backends["decode"].options(stream=True).stand_by.remote, request_id, prompt_token_ids, params, sink))
         ticket, completed, keep = None, False, None
         try:
-            result = await prefill
+            try:
+                result = await self._watching("prefill", prefill)
+            except Exception as e:      # (a disconnect's cancellation is no failure of the replica)
+                self._failed("prefill", e)
+                raise
+            if result is None:
+                result = {"chunk": error_chunk(503, f"request {request_id}: no prefill replica can serve it",
+                                               "unavailable")}
             if "chunk" in result:       # the request ends with its first token (or failed): no decode
+                if result["chunk"]["type"] == "error":
+                    self._failed("prefill", result["chunk"])
                 # Stopped before the last chunk goes out: a consumer may stop reading at it.
                 decode.drop()
                 completed = True
@@ -97,7 +168,7 @@ class Router:
             if early:
                 yield ticket.first_chunk()
             first = True
-            async for chunk in decode.chunks(queue):
+            async for chunk in self._noting("decode", decode.chunks(queue)):
                 keep.cancel()
                 if first and self.on_transfer is not None:
                     if chunk["type"] == "tokens" and chunk.get("transfer") is not None:
@@ -126,6 +197,32 @@ class Router:
                 decode.drop()
                 if ticket is not None:
                     ticket.cancel()
+
+    async def _watching(self, role: str, awaitable):
+        """``awaitable``'s result, or None once ``role`` cannot serve while it waits (``whole_on`` names the other
+        role; ``WATCH_S``): it is cancelled then. Cancelled itself (a disconnect), it cancels ``awaitable``."""
+        task = asyncio.ensure_future(awaitable)
+        try:
+            while not (await asyncio.wait((task,), timeout=WATCH_S))[0]:
+                if self.whole_on() not in (None, role):
+                    log.warning("a request waited for a %s replica that cannot serve; giving it up", role)
+                    task.cancel()
+                    return None
+            return task.result()
+        except BaseException:
+            task.cancel()
+            raise
+
+    async def _noting(self, role: str, chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
+        """``chunks`` of a call to ``role``, its failures noted (``_failed``)."""
+        try:
+            async for chunk in chunks:
+                if chunk["type"] == "error":
+                    self._failed(role, chunk)
+                yield chunk
+        except Exception as e:
+            self._failed(role, e)
+            raise
 
     async def _through_sink(self, request_id: str, gen, queue: asyncio.Queue) -> AsyncIterator[dict]:
         """A request's chunks from the sink (``queue``: its queue there), merged with what its replica's
@@ -171,9 +268,11 @@ class Router:
         """The prefill's result (``{"ticket": ...}`` or ``{"chunk": ...}``) from the sink, where the prefill engine's
         process sends it, or from the replica's stream ``gen`` (relayed, a refusal or a failure; ``{"sent": True}``
         once the sink's went). Cancelled while it waits (a disconnect), the prefill call is cancelled too. The sink's
-        queue goes on to carry the decode side's chunks."""
+        queue goes on to carry the decode side's chunks: one that comes before the result (the decode engine's
+        process failing its stand-by) is left there for the decode stream."""
         replied = asyncio.ensure_future(_only_item(gen))
-        sent = asyncio.ensure_future(queue.get())
+        early: list[dict] = []
+        sent = asyncio.ensure_future(_next_prefilled(queue, early))
         try:
             await asyncio.wait((replied, sent), return_when=asyncio.FIRST_COMPLETED)
             if not sent.done():
@@ -190,6 +289,10 @@ class Router:
             return {key: value for key, value in sent.result().items() if key in ("ticket", "chunk")}
         finally:
             sent.cancel()
+            if early:
+                later = [queue.get_nowait() for _ in range(queue.qsize())]
+                for item in early + later:
+                    queue.put_nowait(item)
             if not replied.done():      # the result came by the sink: the call ends by itself (or was cancelled)
                 if asyncio.current_task().cancelling():
                     replied.cancel()
@@ -281,7 +384,11 @@ class _StandBy:
     async def chunks(self, queue: asyncio.Queue | None = None) -> AsyncIterator[dict]:
         """The decode side's chunks after the ``standby`` one (an error chunk in its place comes first), from the
         request's sink ``queue`` where it has one (``Router._through_sink``)."""
-        chunk = await asyncio.shield(self.first)
+        chunk = await self.router._watching("decode", asyncio.shield(self.first))
+        if chunk is None:       # its replica cannot serve: the call is dropped, the request sent again
+            self.drop()
+            yield error_chunk(503, f"request {self.request_id}: no decode replica can serve it", "unavailable")
+            return
         if chunk["type"] != "standby":
             yield chunk
             if queue is not None:
@@ -331,6 +438,13 @@ async def _pump(gen, queue: asyncio.Queue, on_chunk) -> None:
     queue.put_nowait(ended_chunk())
 
 
+async def _next_prefilled(queue: asyncio.Queue, early: list[dict]) -> dict:
+    """The prefill's result from a request's sink queue; the items before it go to ``early``."""
+    while (item := await queue.get())["type"] != "prefilled":
+        early.append(item)
+    return item
+
+
 async def _only_item(gen) -> dict:
     """The one item of a streamed call (``PrefillReplica.prefill_stream``); cancelled or failed while it waits, the
     call is cancelled too (its replica aborts the request and frees its pages)."""
@@ -341,6 +455,14 @@ async def _only_item(gen) -> dict:
     except BaseException:
         gen.cancel()
         raise
+
+
+def unavailable(e: BaseException) -> bool:
+    """Whether a Serve call's exception says its replica cannot serve (it died, or none is available)."""
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    return isinstance(e, DeploymentUnavailableError) or type(e).__name__ in ("RayActorError", "ActorDiedError",
+                                                                            "ActorUnavailableError")
 
 
 def _last(chunk: dict) -> bool:

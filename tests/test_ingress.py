@@ -463,3 +463,83 @@ def test_completion_offsets_count_characters_not_bytes(demo):
     text = r.json()["choices"][0]["text"]
     assert text == "é😀a" and lp["text_offset"][-1] == 2 and max(lp["text_offset"]) < len(text)
 
+
+
+def test_the_router_runs_requests_whole_on_one_role_while_the_other_cannot_serve():
+    """``Router.whole_on``: the role a disaggregated request runs whole on, from the hub's healthy replicas per role
+    and the calls that failed as unavailable (``DOWN_S``); the real service's fallback is pinned by
+    tests/test_serve_faults.py."""
+    import ray.exceptions
+
+    from serve_app.router import DOWN_S, Router
+
+    now, healthy = [100.0], {"prefill": 1, "decode": 1}
+    router = Router({"prefill": None, "decode": None}, healthy=lambda: healthy, clock=lambda: now[0])
+    assert router.whole_on() is None
+    router._failed("prefill", {"type": "error", "status": 503, "error_type": "overloaded", "message": "full"})
+    router._failed("decode", ValueError("a bug"))
+    assert router.whole_on() is None        # an overload or a bug says nothing of the replica
+    router._failed("prefill", UNAVAILABLE)
+    assert router.whole_on() == "decode"    # the hub still counts the one that failed
+    now[0] += DOWN_S - 0.1
+    assert router.whole_on() == "decode"
+    now[0] += 0.2
+    assert router.whole_on() is None        # the window passed: the role is tried again
+    router._failed("decode", ray.exceptions.ActorDiedError())
+    assert router.whole_on() == "prefill"
+    healthy["decode"] = 0                   # the hub dropped it ...
+    assert router.whole_on() == "prefill"
+    healthy["decode"] = 1                   # ... and its replacement is up: served the usual way again
+    assert router.whole_on() is None
+
+    healthy["prefill"] = 2                  # of two, one fails: Serve routes around it
+    router._failed("prefill", UNAVAILABLE)
+    assert router.whole_on() is None
+    healthy["prefill"] = 1                  # the hub dropped the one that failed: the other serves
+    assert router.whole_on() is None
+    healthy["prefill"] = 0
+    assert router.whole_on() == "decode"
+    router._failed("decode", UNAVAILABLE)
+    assert router.whole_on() is None        # neither serves: the usual way, which fails as unavailable
+    assert Router({"aggregated": None}).whole_on() is None
+    assert Router({"prefill": None, "decode": None}, healthy=lambda: None).whole_on() is None   # not known yet
+
+
+def test_a_decode_failure_on_the_sink_before_the_prefill_result_is_left_for_the_decode_stream():
+    """``Router._prefilled``: a decode engine's process that fails (its replica was killed) sends its stand-by's
+    error to the request's sink, which may come before the prefill's result; the result must still be taken (it
+    was a KeyError, a 500, in a soak with kills) and the error left, first, for the decode stream. Which of the
+    two comes first is a race at a kill, so the sink queue and the prefill call are scripted here."""
+    from serve_app.router import Router
+
+    class PrefillCall:          # the replica's stream: its one item says the result went by the sink
+        cancelled = False
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            await asyncio.sleep(0.05)
+            return {"sent": True}
+
+        def cancel(self):
+            self.cancelled = True
+
+    async def run():
+        router = Router({"prefill": None, "decode": None})
+        queue = asyncio.Queue()
+        failure = {"type": "error", "status": 503, "message": "engine gone", "error_type": "unavailable"}
+        later = {"type": "tokens", "token_ids": [7]}
+        queue.put_nowait(failure)
+        queue.put_nowait({"type": "prefilled", "ticket": "the ticket"})
+        queue.put_nowait(later)
+        call = PrefillCall()
+        result = await router._prefilled("r", call, queue)
+        await asyncio.sleep(0.1)        # the call's own end
+        return result, [queue.get_nowait() for _ in range(queue.qsize())], call.cancelled
+
+    result, left, cancelled = asyncio.run(run())
+    assert result == {"ticket": "the ticket"}
+    assert left == [{"type": "error", "status": 503, "message": "engine gone", "error_type": "unavailable"},
+                    {"type": "tokens", "token_ids": [7]}]
+    assert not cancelled

@@ -81,7 +81,8 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None) -> di
 
 
 def assert_healthy_and_free(url: str) -> None:
-    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    r = httpx.get(f"{url}/health", timeout=10)
+    assert (r.status_code, r.json()) == (200, {"status": "ok"})
     assert wait_pages_free(url) == 0
 
 

@@ -89,7 +89,7 @@ def wait_healthy(url: str, timeout_s: float = 120.0) -> None:
     while time.monotonic() < deadline:
         try:
             r = httpx.get(f"{url}/health", timeout=5)
-            if r.status_code == 200:
+            if r.status_code == 200 and r.json()["status"] == "ok":     # not "degraded": every role is up
                 return
             last = r.text
         except httpx.HTTPError as e:
