@@ -61,6 +61,8 @@ class Router:
         # Called with the decode's transfer stats (and ``handoff_s``: from the prefill's result here to the decode
         # side's first output here), or None on failure.
         self.on_transfer = on_transfer
+        self._waiting: dict[asyncio.Future, str] = {}     # what requests wait on, and from which role (``_watching``)
+        self._watcher: asyncio.Task | None = None
         self._handing: set[asyncio.Task] = set()      # tickets on their way to decode engine processes, and drops
         self._hosts: dict[str, ActorLink] = {}        # links to those processes by name (channels on this node)
 
@@ -200,18 +202,34 @@ class Router:
 
     async def _watching(self, role: str, awaitable):
         """``awaitable``'s result, or None once ``role`` cannot serve while it waits (``whole_on`` names the other
-        role; ``WATCH_S``): it is cancelled then. Cancelled itself (a disconnect), it cancels ``awaitable``."""
+        role; ``_watch`` looks every ``WATCH_S``): it is cancelled then. Cancelled itself (a disconnect), it
+        cancels ``awaitable``."""
         task = asyncio.ensure_future(awaitable)
+        self._waiting[task] = role
+        if self._watcher is None or self._watcher.done():
+            # In a context of its own: not this request's task (its cancellation must not cancel the watch).
+            self._watcher = asyncio.get_running_loop().create_task(self._watch(), context=contextvars.Context())
         try:
-            while not (await asyncio.wait((task,), timeout=WATCH_S))[0]:
-                if self.whole_on() not in (None, role):
+            return await task
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():     # this request's own cancellation
+                raise
+            return None     # given up by ``_watch``
+        finally:
+            del self._waiting[task]
+
+    async def _watch(self) -> None:
+        """While requests wait on a role (``_watching``): every ``WATCH_S``, give up those that wait on a role
+        that cannot serve. One loop for them all, not a timer per request on its way to the first token."""
+        while self._waiting:
+            await asyncio.sleep(WATCH_S)
+            serving = self.whole_on()
+            if serving is None:
+                continue
+            for task, role in list(self._waiting.items()):
+                if role != serving and not task.done():
                     log.warning("a request waited for a %s replica that cannot serve; giving it up", role)
                     task.cancel()
-                    return None
-            return task.result()
-        except BaseException:
-            task.cancel()
-            raise
 
     async def _noting(self, role: str, chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
         """``chunks`` of a call to ``role``, its failures noted (``_failed``)."""

@@ -543,3 +543,39 @@ def test_a_decode_failure_on_the_sink_before_the_prefill_result_is_left_for_the_
     assert left == [{"type": "error", "status": 503, "message": "engine gone", "error_type": "unavailable"},
                     {"type": "tokens", "token_ids": [7]}]
     assert not cancelled
+
+
+def test_a_request_waiting_on_a_role_that_cannot_serve_is_given_up(monkeypatch):
+    """``Router._watching``: Serve holds a call to a replica that died until a replacement is up; a request waiting
+    on such a role is given up (None, its call cancelled) once ``whole_on`` names the other role, and one whose
+    role serves gets its result; a request cancelled while it waits cancels what it waited on."""
+    from serve_app.router import Router
+
+    monkeypatch.setattr("serve_app.router.WATCH_S", 0.01)
+    healthy = {"prefill": 1, "decode": 1}
+    router = Router({"prefill": None, "decode": None}, healthy=lambda: healthy)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        held, answered = loop.create_future(), loop.create_future()
+        prefill = asyncio.ensure_future(router._watching("prefill", held))
+        decode = asyncio.ensure_future(router._watching("decode", answered))
+        await asyncio.sleep(0.05)
+        assert not prefill.done() and not decode.done()      # both roles serve: they wait on
+        healthy["prefill"] = 0
+        await asyncio.sleep(0.05)
+        assert prefill.done() and prefill.result() is None and held.cancelled()
+        assert not decode.done()                            # the decode role still serves
+        answered.set_result("chunk")
+        assert await decode == "chunk"
+        waited = loop.create_future()
+        request = asyncio.ensure_future(router._watching("decode", waited))
+        await asyncio.sleep(0.02)
+        request.cancel()                                    # a disconnect
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        assert waited.cancelled() and not router._waiting
+        await asyncio.sleep(0.05)
+        assert router._watcher.done()                       # nothing waits: the watch has ended
+
+    asyncio.run(run())
