@@ -52,7 +52,7 @@ from actors.sink import SinkAddress
 from actors.ticket import Handoff, PrefillOffer, PrefillPages, Ticket, send_holds
 from actors.worker import RankWorker, kv_manager
 from engine.llm_engine import LLMEngine, RequestOutput
-from engine.sequence import SamplingParams
+from engine.sequence import Continuation, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -422,7 +422,8 @@ class EngineHost(RankWorker):
     # --- commands: each hands its work to the engine loop before returning (an awaitable for its result) -------
     def _do_start(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, hold_pages: bool,
                   on_finish: Callable[[LLMEngine, RequestOutput], Any] | None, sink: SinkAddress | None = None,
-                  offer: PrefillOffer | None = None, ticket_params: SamplingParams | None = None) -> None:
+                  offer: PrefillOffer | None = None, ticket_params: SamplingParams | None = None,
+                  continuation: Continuation | None = None) -> None:
         """Open the request's stream and add it on the engine loop thread. Nothing is sent back for an added request
         (no reply to wait for, no wake-up of this event loop): a refusal (``RequestRefused``, a 400) or an engine
         that stopped comes on the request's stream, as its one item."""
@@ -433,7 +434,8 @@ class EngineHost(RankWorker):
 
         def add(e: LLMEngine) -> None:
             try:
-                e.add_request(prompt_token_ids, params, request_id=request_id, hold_pages=hold_pages)
+                e.add_request(prompt_token_ids, params, request_id=request_id, hold_pages=hold_pages,
+                              continuation=continuation)
             except ValueError as refused:
                 self.loop.deliver([(request_id, RequestRefused(str(refused)))])
             except Exception as failed:      # a bug, told to the request (a 500) and logged
@@ -847,7 +849,8 @@ class EngineClient:
     async def start(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                     hold_pages: bool = False, on_finish: Callable[[LLMEngine, RequestOutput], Any] | None = None,
                     sink: SinkAddress | None = None, offer: PrefillOffer | None = None,
-                    ticket_params: SamplingParams | None = None) -> dict | None:
+                    ticket_params: SamplingParams | None = None, continuation: Continuation | None = None
+                    ) -> dict | None:
         """Add the request (its stream must be open): None once the command went, or the error chunk of an engine
         process that is gone (503). The host sends nothing back for an added request; a refusal (bad input, 400)
         or a failure arrives on the stream as its one item. ``on_finish`` runs on the engine thread as the
@@ -855,10 +858,11 @@ class EngineClient:
         ``sink`` (on this node) the host sends the request's chunks there, and its stream here gets only
         ``ended_chunk`` or an error. With ``offer`` (a prefill, ``on_finish`` being ``actors.ticket.handover``)
         the host issues the request's ticket (for ``ticket_params``, the request's own) and sends its result as
-        one ``{"type": "prefilled"}`` item."""
+        one ``{"type": "prefilled"}`` item. With ``continuation`` the request goes on from output it gave out on
+        an engine that was lost (``LLMEngine.add_request``)."""
         try:
             self._command("start", request_id, list(prompt_token_ids), params, hold_pages, on_finish, sink, offer,
-                          ticket_params)
+                          ticket_params, continuation)
         except EngineStopped as e:
             return error_from(e)
         return None

@@ -29,7 +29,7 @@ from actors.ticket import PrefillOffer, Ticket, handover
 from actors.worker import HEALTH_PING_TIMEOUT_S, RankGroup, RankProblem, freeze_heap
 from engine.llm import EngineConfig
 from engine.llm_engine import LLMEngine, RequestOutput
-from engine.sequence import SamplingParams, SpecStats, TokenLogprob
+from engine.sequence import Continuation, SamplingParams, SpecStats, TokenLogprob
 
 log = logging.getLogger(__name__)
 # Consecutive failed health checks after which Serve stops a replica (its REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD).
@@ -157,18 +157,21 @@ class EngineReplica:
                 self.engine.close_stream(request_id)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       sink: SinkAddress | None = None) -> AsyncIterator[dict]:
+                       sink: SinkAddress | None = None, continuation: Continuation | None = None
+                       ) -> AsyncIterator[dict]:
         """The request's chunks, its prompt and its decode on this replica's engine; with a ``sink`` on this node its
         token chunks go there instead, straight from the engine's process, and this stream carries only a refusal
         or failure (``actors.sink``). A prefill or a decode replica runs requests whole so while the other role has
-        no replica that can serve (``serve_app.router``): its engine is a whole engine, drafter included."""
+        no replica that can serve (``serve_app.router``): its engine is a whole engine, drafter included. With
+        ``continuation`` it goes on from the output it gave out on a replica that was lost (``Continuation``)."""
         try:
             queue = self.engine.open_stream(request_id)
         except ValueError as e:
             yield in_use(e)
             return
         try:
-            refused = await self.engine.start(request_id, prompt_token_ids, params, sink=self._local(sink))
+            refused = await self.engine.start(request_id, prompt_token_ids, params, sink=self._local(sink),
+                                              continuation=continuation)
         except BaseException:       # cancelled while being added: it may have been added all the same
             self.engine.abort(request_id)
             raise

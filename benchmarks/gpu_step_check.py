@@ -36,6 +36,10 @@ per step, on the demo pair.
 8. An engine built right after another was dropped, with the garbage collector run at nearly every allocation:
    the dropped engine's graphs must not be freed inside the new engine's captures (no graph may be destroyed while
    a stream captures; ``engine.cuda_graphs.capture_graph``). It decodes the first engine's tokens.
+9. Continued requests (``engine.sequence.Continuation``: a stream whose replica was lost goes on elsewhere from
+   the output it gave out): a batch of greedy rows (plain, penalised, a stop token held off by min_tokens, one asking
+   for logprobs) on the graphed, overlapped DFlash engine, float32, then each cut after a third and two thirds of
+   its steps and continued, the cut rows in one batch: each gives the rest of its tokens, text and ending.
 
 Prints a table; exits 1 when a check fails.
 """
@@ -354,13 +358,71 @@ def rebuild_under_collection(device: str, prompts: list[str], max_tokens: int) -
              f"allocation, after dropping an engine")]
 
 
+def continuation_matches(device: str, prompts: list[str], max_tokens: int) -> list[tuple[str, bool, str]]:
+    from engine.sequence import Continuation
+
+    engine = LLM(str(DEMO / "target"), draft=str(DEMO / "drafter"), device=device, dtype="float32").engine
+    ids = [engine.tokenizer.encode(p) for p in prompts]
+    kinds = [SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+             SamplingParams(max_tokens=max_tokens, ignore_eos=True, presence_penalty=1.5, frequency_penalty=1.0),
+             SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=2)]
+    requests = {str(i): (p, kinds[i % len(kinds)]) for i, p in enumerate(ids)}
+
+    def run(batch: dict) -> dict:
+        """Every output of each request of ``batch`` ({id: (ids, params, continuation)}), stepped to the end."""
+        outs = {rid: [] for rid in batch}
+        for rid, (prompt, params, given) in batch.items():
+            engine.add_request(prompt, params, request_id=rid, continuation=given)
+        while engine.has_unfinished():
+            for out in engine.step():
+                outs[out.request_id].append(out)
+        return outs
+
+    def given_out(outs):
+        return ([t for o in outs for t in o.new_token_ids], [e for o in outs for e in (o.new_logprobs or ())],
+                "".join(o.text_delta for o in outs))
+
+    free = run({rid: (p, params, None) for rid, (p, params) in requests.items()})
+    # A stop token each row takes at position k >= 6 for the first time, held off until then by min_tokens.
+    stopped = {}
+    for rid, (p, params) in requests.items():
+        tokens = free[rid][-1].token_ids
+        k = next((k for k in range(6, len(tokens)) if tokens[k] not in tokens[:k]), None)
+        if k is not None:
+            stopped[f"{rid}s"] = (p, SamplingParams(max_tokens=max_tokens, ignore_eos=True, min_tokens=k,
+                                                    stop_token_ids=(tokens[k],)))
+    requests.update(stopped)
+    free.update(run({rid: (p, params, None) for rid, (p, params) in stopped.items()}))
+    cut, same, detail = {}, [], []
+    for third in (1, 2):
+        for rid, (p, params) in requests.items():
+            at = max(1, len(free[rid]) * third // 3)
+            tokens, logprobs, text = given_out(free[rid][:at])
+            cut[f"{rid}.{third}"] = (p, params, Continuation(tokens, logprobs, len(text)))
+    went_on = run(cut)
+    for key, outs in went_on.items():
+        rid = key.split(".")[0]
+        before, after = given_out(free[rid][:max(1, len(free[rid]) * int(key[-1]) // 3)]), given_out(outs)
+        whole = given_out(free[rid])
+        ok = before[0] + after[0] == whole[0] and before[2] + after[2] == whole[2] and \
+            outs[-1].finish_reason == free[rid][-1].finish_reason
+        same.append(ok)
+        if not ok:
+            detail.append(f"{key} differs")
+    ahead = engine.num_overlapped_steps
+    on_gpu = device != "cuda" or ahead > 0        # on CUDA the steps ran ahead of the host (overlap: auto)
+    return [("continuation matches", all(same) and on_gpu and engine.kv.pages_in_use() == 0,
+             f"{sum(same)}/{len(same)} continued rows equal ({len(stopped)} kinds with a min_tokens stop token), "
+             f"{ahead} steps launched ahead; " + "; ".join(detail))]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=48)
     checks = (lossless, syncs_per_step, seeded_repeat, graphs_match_eager, overlap_matches_sync,
-              no_compiles_while_serving, pdl_matches_serial, rebuild_under_collection)
+              no_compiles_while_serving, pdl_matches_serial, rebuild_under_collection, continuation_matches)
     p.add_argument("--checks", nargs="+", default=[c.__name__ for c in checks], choices=[c.__name__ for c in checks])
     args = p.parse_args()
     prompts = heldout(args.prompts)

@@ -19,8 +19,8 @@ from engine.parallel import OP_STOP, OP_SYNC, OP_TARGET
 from engine.sampler import (LogitsBlock, LogitsState, accept_greedy, adjust_logits, probabilities, rejection_sample,
                             sample)
 from engine.scheduler import ScheduledRequest, Scheduler
-from engine.sequence import (Request, RequestStatus, RequestTiming, SamplingParams, SpecStats, TokenLogprob,
-                             generator_seed)
+from engine.sequence import (Continuation, Request, RequestStatus, RequestTiming, SamplingParams, SpecStats,
+                             TokenLogprob, generator_seed)
 from engine.tokenizer import Tokenizer
 from kv.device_tables import upload
 from kv.layout import KVLayout
@@ -405,17 +405,57 @@ class LLMEngine:
         return request_id, ids
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    request_id: str | None = None, hold_pages: bool = False) -> Request:
+                    request_id: str | None = None, hold_pages: bool = False,
+                    continuation: Continuation | None = None) -> Request:
         """Validate and queue a request; bad input raises ValueError and changes nothing.
 
         ``hold_pages``: keep the pages when the request finishes (a prefill whose KV a decode peer will
         read); ``release`` frees them.
+        ``continuation``: the output the request already gave out on an engine that was lost; it goes on from there
+        (``Continuation``), its first step computing the prompt and those tokens as a preempted request's does.
         """
         request_id, ids = self._validate(request_id, prompt_token_ids, params)
+        if continuation is not None:
+            self._check_continuation(ids, params, continuation)
         request = self._new_request(request_id, ids, params, hold_pages=hold_pages)
+        if continuation is not None:
+            self._continue(request, continuation)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
+
+    def _check_continuation(self, ids: list[int], params: SamplingParams, c: Continuation) -> None:
+        tokens, vocab = c.output_token_ids, self.model.config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in tokens):
+            raise ValueError(f"continued output token ids must be integers in [0, {vocab})")
+        if len(tokens) >= params.max_tokens:
+            raise ValueError(f"the continued output has {len(tokens)} tokens; max_tokens {params.max_tokens} leaves "
+                             "none to generate")
+        if len(ids) + len(tokens) >= self.max_model_len:
+            raise ValueError(f"the prompt and the continued output have {len(ids) + len(tokens)} tokens; the context "
+                             f"holds {self.max_model_len} (and at least one more generated)")
+        if params.logprobs is not None and (len(c.logprobs) != len(tokens) or any(
+                e.token_id != t for e, t in zip(c.logprobs, tokens))):
+            raise ValueError(f"logprobs={params.logprobs} needs the continued output's entries, one per token")
+        if not isinstance(c.num_text_sent, int) or c.num_text_sent < 0:
+            raise ValueError(f"the continued output's text sent must be an integer >= 0, got {c.num_text_sent!r}")
+
+    def _continue(self, r: Request, c: Continuation) -> None:
+        """Give the new request ``r`` the output ``c`` says was given out: tokens, their entries and counts, and
+        their text (as much of it as its detokenizer would have given out; ValueError if less than was sent)."""
+        r.output_token_ids.extend(c.output_token_ids)
+        if r.params.logprobs is not None:
+            r.output_logprobs.extend(c.logprobs)
+        if self.tokenizer is not None:
+            r.detokenizer = self.tokenizer.detokenizer()
+            # No stop honoured in it: the lost engine found none that ends there (else the request had ended).
+            _extend_text(r, r.detokenizer.step(r.output_token_ids), honour_stops=False)
+        if c.num_text_sent > len(r.output_text):
+            raise ValueError(f"the continued output's text sent ({c.num_text_sent} characters) exceeds its text "
+                             f"({len(r.output_text)})")
+        r.num_text_sent = c.num_text_sent
+        if r.logits_state is not None:
+            r.logits_state.add(r.output_token_ids)
 
     def _new_request(self, request_id: str, ids: list[int], params: SamplingParams, **fields) -> Request:
         if params.seed is not None:

@@ -128,6 +128,24 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()     # (token id, logprob), best first; SamplingParams.logprobs of them
 
 
+@dataclass(frozen=True)
+class Continuation:
+    """What a request already gave out before the engine running it was lost: its output tokens (with their
+    logprobs entries, when it asked for them) and how many characters of their text reached the client. A request
+    added with one goes on from there as that engine would have: it computes its prompt and these tokens, its
+    output counts them (max_tokens, min_tokens, the penalties), its stop strings see their text, and its text
+    deltas begin after the text sent. Its draws are not the lost engine's: a seeded sampled request would go on
+    otherwise than it would have (greedy output goes on alike)."""
+
+    output_token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    num_text_sent: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "output_token_ids", tuple(self.output_token_ids))
+        object.__setattr__(self, "logprobs", tuple(self.logprobs))
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

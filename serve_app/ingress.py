@@ -38,7 +38,7 @@ from actors.cpus import leave_engine_cpus
 from actors.logs import configure_actor_logging
 from actors.sink import ChunkSink
 from actors.worker import freeze_heap
-from engine.sequence import SamplingParams, TokenLogprob
+from engine.sequence import Continuation, SamplingParams, TokenLogprob
 from serve_app.config import ServiceConfig
 from serve_app.metrics import HubClient, ServiceMetrics
 from serve_app.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
@@ -52,11 +52,12 @@ log = logging.getLogger("dflash.ingress")
 # /docs and /openapi.json are off unless the config turns them on (``Ingress.__init__``).
 api = FastAPI(title="dflash-serve", docs_url=None, redoc_url=None, openapi_url=None)
 READY_TTL_S = 1.0
-# A choice whose replica failed before anything of it reached the client (before its first token; a request not
-# streamed, at any point) is sent again, after each of these pauses in turn: a replica that lost a process leaves
-# within about two seconds, and the routers then pass it over (``serve_app.replicas``). Only for a replica's
-# failures, never for a refusal of the request; and twice at most, so that a request that itself crashes an
-# engine's process takes down no more than three replicas.
+# A choice whose replica failed is sent again, after each of these pauses in turn: a replica that lost a process
+# leaves within about two seconds, and the routers then pass it over (``serve_app.replicas``). Before anything of it
+# reached the client (before its first token; a request not streamed, at any point) it starts over; a stream that
+# gave out tokens goes on from them (``Choice._resumable``). Only for a replica's failures, never for a refusal of
+# the request; and twice at most, so that a request that itself crashes an engine's process takes down no more
+# than three replicas.
 RETRY_PAUSES_S = (0.5, 2.0)
 RETRYABLE = ("unavailable", "transfer_error")
 RETRY_AFTER_S = 1
@@ -248,9 +249,9 @@ class Choice:
     """One choice's stream: chunks from the router, text deltas, and the timings the metrics need."""
 
     def __init__(self, index: int, request_id: str, prompt_ids: list[int], params: SamplingParams, router: Router,
-                 echo: str = "", on_retry=None, restartable: bool = False):
+                 echo: str = "", on_retry=None, restartable: bool = False, on_resume=None):
         self.index, self.request_id, self.prompt_ids, self.params = index, request_id, prompt_ids, params
-        self.router, self.echo, self.on_retry = router, echo, on_retry
+        self.router, self.echo, self.on_retry, self.on_resume = router, echo, on_retry, on_resume
         # Whether a failure after the first tokens may start it over too (nothing of it has reached the client
         # before it ends: a request not streamed).
         self.restartable = restartable
@@ -282,7 +283,21 @@ class Choice:
 
     def _may_retry(self, chunk: dict) -> bool:
         return chunk["type"] == "error" and chunk.get("error_type") in RETRYABLE \
-            and self.retries < len(RETRY_PAUSES_S) and (self.received == 0 or self.restartable)
+            and self.retries < len(RETRY_PAUSES_S) and (self.received == 0 or self.restartable or self._resumable)
+
+    @property
+    def _resumable(self) -> bool:
+        """Whether a stream that gave out tokens may go on from them on another replica (``Continuation``): not a
+        seeded one that samples, whose draws there would not be the ones its seed promises (it ends in its error)."""
+        return self.params.greedy or self.params.seed is None
+
+    def _resume(self, request_id: str) -> None:
+        """A fresh stream of the choice that goes on from what it received (``Router.stream``'s continuation):
+        its text, tokens and timings so far stay."""
+        given = Continuation(self.token_ids, self.logprobs, len(self.text) - len(self.echo))
+        self.gen = self.router.stream(request_id, self.prompt_ids, self.params, given)
+        if self.on_resume is not None:
+            self.on_resume()
 
     async def next(self) -> dict | None:
         """The next chunk, or None at the end; exceptions from Serve become error chunks. A replica's failure
@@ -298,7 +313,10 @@ class Choice:
                 log.exception("%s: closing its failed stream failed", self.request_id)
             await asyncio.sleep(RETRY_PAUSES_S[self.retries])
             self.retries += 1
-            self._begin(f"{self.request_id}.{self.retries}")    # a fresh id: the failed attempt's may linger
+            if self.received == 0 or self.restartable:
+                self._begin(f"{self.request_id}.{self.retries}")    # a fresh id: the failed attempt's may linger
+            else:
+                self._resume(f"{self.request_id}.{self.retries}")
         if chunk is None:
             self.done = True
             return None
@@ -606,7 +624,7 @@ class Ingress:
                 index = p * body.n + j
                 choices.append(Choice(index, f"{request_id}-{index}", ids, choice_params, self.router,
                                       echoes[p] if echoes else "", on_retry=self._count_retry,
-                                      restartable=not body.stream))
+                                      restartable=not body.stream, on_resume=self._count_resume))
         handed_off, error = False, None
         try:
             firsts = await asyncio.gather(*(c.next() for c in choices))
@@ -652,6 +670,9 @@ class Ingress:
 
     def _count_retry(self, error_type: str) -> None:
         self.metrics.request_retries.labels(self.model_name, error_type).inc()
+
+    def _count_resume(self) -> None:
+        self.metrics.request_resumes.labels(self.model_name).inc()
 
     def _usage(self, body, choices: list[Choice]) -> Usage:
         prompt_tokens = sum(len(c.prompt_ids) for c in choices[::body.n])

@@ -160,9 +160,12 @@ class ServiceMetrics:
         # error_type: the error's ("overloaded", "transfer_error", "server_error", ...); never counted as a success
         self.request_errors = Counter("dflash_request_errors", "Requests that ended in an error", m + ["error_type"],
                                       registry=r)
-        # A request sent again because a replica failed before its first token (``serve_app.ingress.RETRY_PAUSES_S``)
-        self.request_retries = Counter("dflash_request_retries", "Requests sent again after a replica failed before "
-                                       "their first token", m + ["error_type"], registry=r)
+        # A request sent again because a replica failed (``serve_app.ingress.RETRY_PAUSES_S``): from the start, or
+        # going on from the tokens it gave out (also counted in request_resumes)
+        self.request_retries = Counter("dflash_request_retries", "Requests sent again after a replica failed",
+                                       m + ["error_type"], registry=r)
+        self.request_resumes = Counter("dflash_request_resumes", "Streams that went on from the tokens they had "
+                                       "given out, on another replica, after theirs failed", m, registry=r)
         # A disaggregated service's request run whole (prompt and decode) on a replica of ``role`` while the other
         # role could not serve (``serve_app.router``)
         self.requests_whole = Counter("dflash_requests_run_whole", "Requests run whole on one role's replica while "

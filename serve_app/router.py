@@ -22,7 +22,7 @@ from actors.channel import ActorLink
 from actors.chunks import Batcher, ended_chunk, error_chunk
 from actors.sink import ChunkSink
 from actors.worker import rank_actor
-from engine.sequence import SamplingParams
+from engine.sequence import Continuation, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +66,25 @@ class Router:
         self._handing: set[asyncio.Task] = set()      # tickets on their way to decode engine processes, and drops
         self._hosts: dict[str, ActorLink] = {}        # links to those processes by name (channels on this node)
 
-    async def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-                     ) -> AsyncIterator[dict]:
-        """Chunks (``token_chunk``/``error_chunk`` dicts); closing the iterator cancels the replica's work."""
+    async def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     continuation: Continuation | None = None) -> AsyncIterator[dict]:
+        """Chunks (``token_chunk``/``error_chunk`` dicts); closing the iterator cancels the replica's work. With
+        ``continuation`` (a stream whose replica was lost after it gave out tokens) the request goes on from them,
+        whole on one replica: of the role that can serve while the other cannot, else a decode replica (its KV is
+        computed again there, with the output given out)."""
         sink = queue = None
         if self.sink is not None:
             sink, queue = await self.sink.address(), self.sink.open(request_id)
         try:
-            async for chunk in self._stream(request_id, prompt_token_ids, params, sink, queue):
+            if continuation is not None:
+                role = self.whole_on() if self.disaggregated else "aggregated"
+                if role is not None and self.disaggregated:
+                    self.on_whole(role)
+                chunks = self._whole(role or "decode", request_id, prompt_token_ids, params, sink, queue,
+                                     continuation)
+            else:
+                chunks = self._stream(request_id, prompt_token_ids, params, sink, queue)
+            async for chunk in chunks:
                 yield chunk
         finally:
             if self.sink is not None:
@@ -113,9 +124,10 @@ class Router:
             self._failed_at[role] = (self._clock(), replicas)
 
     async def _whole(self, role: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink,
-                     queue) -> AsyncIterator[dict]:
+                     queue, continuation: Continuation | None = None) -> AsyncIterator[dict]:
         """The request on one replica of ``role``, prompt and decode (``EngineReplica.generate``)."""
-        gen = self.backends[role].options(stream=True).generate.remote(request_id, prompt_token_ids, params, sink)
+        args = (request_id, prompt_token_ids, params, sink) + ((continuation,) if continuation is not None else ())
+        gen = self.backends[role].options(stream=True).generate.remote(*args)
         chunks = self._relayed(gen) if sink is None else self._through_sink(request_id, gen, queue)
         async for chunk in self._noting(role, chunks) if self.disaggregated else chunks:
             yield chunk

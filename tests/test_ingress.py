@@ -42,15 +42,17 @@ def tokens(ids: list[int], text: str = "", finished: bool = False, logprobs=None
 class ScriptedRouter:
     """The Router's ``stream``: each choice's chunks come from ``script(index)`` (called once per stream: a choice
     sent again calls it again), a list of chunks or "forever" (a token every 10 ms until closed); records the ids
-    of the streams asked for, and which choices' streams were closed."""
+    of the streams asked for, their continuations, and which choices' streams were closed."""
 
     def __init__(self, script):
         self.script = script
         self.sent: list[str] = []
+        self.continuations: list = []
         self.closed: list[int] = []
 
-    async def stream(self, request_id, prompt_ids, params):
+    async def stream(self, request_id, prompt_ids, params, continuation=None):
         self.sent.append(request_id)
+        self.continuations.append(continuation)
         index = int(request_id.rsplit("-", 1)[1].split(".")[0])     # (a choice sent again: "<id>-<index>.<n>")
         try:
             chunks = self.script(index)
@@ -221,14 +223,40 @@ def test_a_refusal_an_overload_or_a_bug_is_not_sent_again(ingress, monkeypatch, 
     assert len(ingress.router.sent) == 1
 
 
-def test_after_its_first_tokens_a_stream_ends_in_the_error_and_a_request_not_streamed_starts_over(ingress,
-                                                                                                   monkeypatch):
-    """A stream has sent its first token to the client: the failure ends it. A request not streamed has sent
-    nothing: it starts over, and its answer holds the new attempt's text only."""
+def test_after_its_first_tokens_a_stream_goes_on_from_them_and_a_request_not_streamed_starts_over(ingress,
+                                                                                                  monkeypatch):
+    """A stream has sent its first tokens to the client: it goes on from them on another replica (the
+    continuation names the tokens, their logprobs and the text received), its text and usage whole. A seeded
+    stream that samples would not draw there what its seed promises: the failure ends it. A request not streamed
+    has sent nothing: it starts over, and its answer holds the new attempt's text only."""
+    from engine.sequence import Continuation
+
     monkeypatch.setattr("serve_app.ingress.RETRY_PAUSES_S", (0.01, 0.01))
+    first = [TokenLogprob(40, -0.5, ((40, -0.5),)), TokenLogprob(42, -0.25, ((42, -0.25),))]
+    ingress.router = ScriptedRouter(failing_first(
+        [[tokens([40], "a", logprobs=first[:1]), tokens([42], "c", logprobs=first[1:]), UNAVAILABLE]],
+        [tokens([41], "b", finished=True, logprobs=[TokenLogprob(41, -1.0, ((41, -1.0),))])]))
+    body = {"model": "tiny", "prompt": "hi", "stream": True, "logprobs": 1, "return_token_ids": True,
+            "stream_options": {"include_usage": True}}
+    r = ingress.client.post("/v1/completions", json=body)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert not [e for e in events if "error" in e], events
+    texts = [c["text"] for e in events for c in e["choices"]]
+    assert "".join(texts) == "acb" and [c["token_ids"] for e in events for c in e["choices"]][-1] == [41]
+    assert [t for e in events for c in e["choices"] for t in (c["logprobs"] or {}).get("tokens", [])] == \
+        [ingress._token(i)[0] for i in (40, 42, 41)]
+    assert events[-1]["usage"]["completion_tokens"] == 3
+    first_id = ingress.router.sent[0]
+    assert ingress.router.sent == [first_id, f"{first_id}.1"]
+    assert ingress.router.continuations == [None, Continuation((40, 42), tuple(first), 2)]
+    samples = metric_samples(ingress.metrics.own_text())
+    assert metric_sum(samples, "dflash_request_resumes_total") == 1
+    assert metric_sum(samples, "dflash_request_errors_total") == 0
+
     ingress.router = ScriptedRouter(failing_first([[tokens([40], "a"), UNAVAILABLE]],
-                                                  [tokens([40], "a"), tokens([41], "b", finished=True)]))
-    r = ingress.client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "stream": True})
+                                                  [tokens([41], "b", finished=True)]))
+    r = ingress.client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "stream": True,
+                                                     "temperature": 0.8, "seed": 7})
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
     assert events[0]["choices"][0]["text"] == "a" and events[-1]["error"]["code"] == "unavailable"
     assert len(ingress.router.sent) == 1
@@ -579,3 +607,43 @@ def test_a_request_waiting_on_a_role_that_cannot_serve_is_given_up(monkeypatch):
         assert router._watcher.done()                       # nothing waits: the watch has ended
 
     asyncio.run(run())
+
+
+def test_a_continued_request_runs_whole_on_a_decode_replica_or_on_the_role_that_can_serve():
+    """``Router.stream`` with a continuation: one call of ``generate`` that carries it, on a decode replica while
+    both roles serve, on the prefill replica while decode cannot (its only replica just failed); ``generate`` of
+    the aggregated app's replica. No prefill call, no stand-by: the replica computes the prompt and the tokens."""
+    from engine.sequence import Continuation, SamplingParams
+    from serve_app.router import Router
+
+    calls = []
+
+    class Deployment:
+        """The Serve handle's calls a router makes (a fake: no Serve here), each answered with one last chunk."""
+
+        def __init__(self, role):
+            self.role = role
+
+        def options(self, **_):
+            return self
+
+        def __getattr__(self, method):
+            def remote(*args):
+                calls.append((self.role, method, args))
+
+                async def chunks():
+                    yield tokens([41], "b", finished=True)
+                return chunks()
+            return SimpleNamespace(remote=remote)
+
+    async def run(router):
+        return [c async for c in router.stream("r", [1, 2], SamplingParams(), Continuation((40,), (), 1))]
+
+    healthy = {"prefill": 1, "decode": 1}
+    router = Router({"prefill": Deployment("prefill"), "decode": Deployment("decode")}, healthy=lambda: healthy)
+    assert asyncio.run(run(router)) == [tokens([41], "b", finished=True)]
+    router._failed("decode", UNAVAILABLE)
+    asyncio.run(run(router))
+    asyncio.run(run(Router({"aggregated": Deployment("aggregated")})))
+    given = ("r", [1, 2], SamplingParams(), None, Continuation((40,), (), 1))
+    assert calls == [("decode", "generate", given), ("prefill", "generate", given), ("aggregated", "generate", given)]

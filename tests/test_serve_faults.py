@@ -1,10 +1,10 @@
 """Faults on the disaggregated service (two ingress replicas, whose /metrics must agree; a TP 2 decode replica):
 SIGKILL of the real processes (decode replica, which hosts its rank-0 worker; its rank-1 worker, met in the
-middle of a collective; decode KV manager; prefill replica; prefill KV manager). Each time: the request in flight ends (with
-an OpenAI-shaped error event that names nothing internal, or its full output; at once, with an error, when its
-decode replica lost a process); meanwhile the other role's replicas run new requests whole, with the same output,
-within WHOLE_S of the kill, and /health says ``degraded`` (never 503: a role still serves) until the role has a
-healthy replica again, within RECOVERY_S; no page stays in use."""
+middle of a collective; decode KV manager; prefill replica; prefill KV manager). Each time: the streams in flight
+end with their full output, the answer they give alone (those whose decode replica lost a process go on from the
+tokens they gave out, on the prefill replica); meanwhile the other role's replicas run new requests whole, with the
+same output, within WHOLE_S of the kill, and /health says ``degraded`` (never 503: a role still serves) until the
+role has a healthy replica again, within RECOVERY_S; no page stays in use."""
 
 import json
 import os
@@ -28,9 +28,11 @@ from tests.test_serve_support import metric_samples, metric_sum, tiny_service, w
 # Serve), the model and a KV manager process. On 2 cores that run the whole service beside the tests this took
 # 15-28 s; a service that never recovers fails all the same.
 RECOVERY_S = 60.0
-# A replica that lost a process fails its streams within its next metrics report (0.2 s here), not after Serve's
-# graceful-shutdown wait (20 s) or the end of the stream.
-FAIL_FAST_S = 10.0
+# A stream whose decode replica lost a process goes on elsewhere within this: the replica fails its streams within
+# its next metrics report (0.2 s here), not after Serve's graceful-shutdown wait (20 s) or the end of the stream, and
+# the ingress sends it on after RETRY_PAUSES_S[0].
+RESUME_S = 10.0
+STREAM_TOKENS = 320     # decoding takes seconds here: the streams are still decoding when the process dies
 # A request made after the kill is served whole by the other role within this (0.1-5.1 s here; a replacement takes
 # longer, and the test checks the request ran whole): its first try may meet the dead replica, or wait for it until
 # the hub drops it (2.6 s here), and is sent again (``serve_app.ingress.RETRY_PAUSES_S``), now whole.
@@ -73,17 +75,25 @@ def alive_actor(role: str, kind: str) -> tuple[str, int]:
     return found[0]
 
 
-def stream_events(url: str, max_tokens: int, started: threading.Event, out: dict) -> None:
-    """A long streaming completion; ``out`` gets its data events and how it ended."""
-    body = {"model": "tiny", "prompt": "a", "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    events = out.setdefault("events", [])
+LONG = {"model": "tiny", "prompt": "a", "max_tokens": STREAM_TOKENS, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def long_answer(server) -> str:
+    """The long request's answer alone, before any kill."""
+    return httpx.post(f"{server}/v1/completions", json=LONG, timeout=120).json()["choices"][0]["text"]
+
+
+def stream_events(url: str, started: threading.Event, out: dict) -> None:
+    """The long request, streamed; ``out`` gets its data events, when each came, and how it ended."""
+    events, times = out.setdefault("events", []), out.setdefault("times", [])
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True}, timeout=120) as r:
             out["status"] = r.status_code
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
+                    times.append(time.monotonic())
                     if len(events) >= 3:      # past the prefill's early first token: decoding
                         started.set()
     except httpx.HTTPError as e:
@@ -93,24 +103,24 @@ def stream_events(url: str, max_tokens: int, started: threading.Event, out: dict
         started.set()
 
 
-def check_ending(out: dict, must_fail: bool) -> None:
+def check_ending(out: dict, answer: str) -> None:
+    """The stream ended with the whole answer, no error event among its events."""
     assert "transport_error" not in out, out
     assert out["status"] == 200 and out["events"][-1] == "[DONE]", out
-    errors = [json.loads(e) for e in out["events"][:-1] if e.startswith('{"error"')]
-    if must_fail:
-        assert errors, "the stream of a killed decode replica ended without an error event"
-    for e in errors:
-        assert set(e["error"]) == {"message", "type", "param", "code"}
-        assert not INTERNALS.search(e["error"]["message"]), e
-    if not errors:
-        finished = [json.loads(e)["choices"][0]["finish_reason"] for e in out["events"][:-1]]
-        assert finished[-1] == "length", out
+    events = [json.loads(e) for e in out["events"][:-1]]
+    assert [e for e in events if "error" in e] == [], "a stream in flight ended in an error"
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert "".join(e["choices"][0]["text"] for e in events) == answer
 
 
 def whole_count(url: str, role: str) -> float:
     """Requests run whole on ``role``'s replicas, as /metrics says."""
     return metric_sum(metric_samples(httpx.get(f"{url}/metrics", timeout=30).text), "dflash_requests_run_whole_total",
                       role=role)
+
+
+def resumes(url: str) -> float:
+    return metric_sum(metric_samples(httpx.get(f"{url}/metrics", timeout=30).text), "dflash_request_resumes_total")
 
 
 def pages_in_use(url: str) -> float:
@@ -156,18 +166,18 @@ def test_metrics_of_any_ingress_count_the_requests_of_every_ingress(server):
 @pytest.mark.parametrize("role,kind", [("decode", "replica"), ("decode", "engine"), ("decode", "follower"),
                                        ("decode", "kv_manager"), ("prefill", "replica"), ("prefill", "engine"),
                                        ("prefill", "kv_manager")])
-def test_killed_process_is_replaced_and_service_recovers(server, role, kind):
+def test_killed_process_is_replaced_and_service_recovers(server, long_answer, role, kind):
     wait_healthy(server)
     other = {"prefill": "decode", "decode": "prefill"}[role]
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     alone = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
-    whole_before = whole_count(server, other)
+    whole_before, resumed_before = whole_count(server, other), resumes(server)
     victim = alive_actor(role, kind)
-    # Two long streams, decoding when the process dies (320 tokens take seconds here).
+    # Two long streams, decoding when the process dies.
     outs, threads = [], []
     for _ in range(2):
         started, out = threading.Event(), {}
-        t = threading.Thread(target=stream_events, args=(server, 320, started, out), daemon=True)
+        t = threading.Thread(target=stream_events, args=(server, started, out), daemon=True)
         t.start()
         assert started.wait(60)
         outs.append(out)
@@ -222,10 +232,13 @@ def test_killed_process_is_replaced_and_service_recovers(server, role, kind):
     for t, out in zip(threads, outs):
         t.join(60)
         assert not t.is_alive(), "a request in flight hangs after the kill"
-        check_ending(out, must_fail=role == "decode")
-        if role == "decode":
-            assert out["ended"] - killed < FAIL_FAST_S, f"a stream on the broken replica ran on for " \
-                f"{out['ended'] - killed:.1f} s after the kill"
+        check_ending(out, long_answer)
+        stall = max(b - a for a, b in zip(out["times"], out["times"][1:]))
+        assert stall < RESUME_S, f"a stream stalled {stall:.1f} s"
+    if role == "decode":        # both streams went on elsewhere (the prefill replica) from what they gave out
+        assert resumes(server) - resumed_before == 2
+    else:                       # decoding already, they did not need the prefill side
+        assert resumes(server) == resumed_before
 
     # A fresh replica replaced the victim, and nothing leaked on the side that survived.
     assert alive_actor(role, kind) != victim
