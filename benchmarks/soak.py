@@ -284,7 +284,8 @@ class Soak:
                 f"{probe.max_tokens}, {'greedy' if probe.seed is None else f'seed {probe.seed}'}, "
                 f"{'streamed' if body['stream'] else 'unary'})")
         if status != 200 or not isinstance(answer, Answer):
-            if not self.clean_failure(status, answer, start):
+            label = f"{'greedy' if probe.seed is None else 'seeded'}, {'streamed' if body['stream'] else 'unary'}"
+            if not self.clean_failure(status, answer, start, label):
                 self.fail(f"{what}: HTTP {status} {answer!s:.300}")
             return
         if answer != ref and probe.seed is not None and self.args.lenient_seeded:
@@ -311,10 +312,10 @@ class Soak:
                 raise
             return -1, f"{type(e).__name__}: {e}"
 
-    def clean_failure(self, status: int, answer, start: float) -> bool:
+    def clean_failure(self, status: int, answer, start: float, kind: str = "") -> bool:
         """Whether a request that did not get its answer ended as a kill allows: near a kill, with an HTTP 5xx or a
         stream's error event carrying an OpenAI error object (a plain 5xx, a dropped connection or a cut stream only
-        where an ingress was killed). Counted as such."""
+        where an ingress was killed). Counted as such, by ``kind`` (a probe's sampling and delivery)."""
         end = time.perf_counter()
         if not self.args.kill_every or not isinstance(answer, str) or not self.near_kill(start, end):
             return False
@@ -322,7 +323,8 @@ class Soak:
         if not clean and not ((status == -1 or status >= 500 or answer == "stream ended without [DONE]")
                               and self.killed_ingress(start, end)):
             return False
-        self.outcomes[f"failed near a kill: {status if status > 0 else 'connection'}"] += 1
+        self.outcomes[f"failed near a kill: {status if status > 0 else 'connection'}{f' ({kind})' if kind else ''}"] \
+            += 1
         after = max((k for k, _ in self.kills if k <= end), default=end)
         self.kill_failures.append((end - after, status, _error_message(answer)))
         return True

@@ -34,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from actors.chunks import error_chunk
 from actors.cpus import leave_engine_cpus
 from actors.logs import configure_actor_logging
 from actors.sink import ChunkSink
@@ -55,9 +56,9 @@ READY_TTL_S = 1.0
 # A choice whose replica failed is sent again, after each of these pauses in turn: a replica that lost a process
 # leaves within about two seconds, and the routers then pass it over (``serve_app.replicas``). Before anything of it
 # reached the client (before its first token; a request not streamed, at any point) it starts over; a stream that
-# gave out tokens goes on from them (``Choice._resumable``). Only for a replica's failures, never for a refusal of
-# the request; and twice at most, so that a request that itself crashes an engine's process takes down no more
-# than three replicas.
+# gave out tokens goes on from them (``Choice._resume``, or ``Choice._replay`` for one seeded to sample). Only for a
+# replica's failures, never for a refusal of the request; and twice at most, so that a request that itself crashes
+# an engine's process takes down no more than three replicas.
 RETRY_PAUSES_S = (0.5, 2.0)
 RETRYABLE = ("unavailable", "transfer_error")
 RETRY_AFTER_S = 1
@@ -245,6 +246,35 @@ def _lower_priority() -> None:
         pass
 
 
+class _Replay:
+    """What a replayed stream (``Choice._replay``) must give again before anything new goes to the client: the
+    token ids and the text it already has. ``strip`` takes each chunk's part of them away, and says (None) when the
+    replay gives something else."""
+
+    def __init__(self, token_ids: list[int], text: str):
+        self.token_ids, self.text = list(token_ids), text
+        self.ids_seen = self.text_seen = 0
+
+    @property
+    def done(self) -> bool:
+        return self.ids_seen == len(self.token_ids) and self.text_seen == len(self.text)
+
+    def strip(self, chunk: dict) -> dict | None:
+        ids, text = chunk["token_ids"], chunk["text"]
+        k = min(len(ids), len(self.token_ids) - self.ids_seen)
+        t = min(len(text), len(self.text) - self.text_seen)
+        if ids[:k] != self.token_ids[self.ids_seen:self.ids_seen + k] or \
+                text[:t] != self.text[self.text_seen:self.text_seen + t]:
+            return None
+        self.ids_seen, self.text_seen = self.ids_seen + k, self.text_seen + t
+        if chunk["finished"] and not self.done:      # it ended before giving again all it had given
+            return None
+        stripped = {**chunk, "token_ids": ids[k:], "text": text[t:]}
+        if "logprobs" in chunk:
+            stripped["logprobs"] = chunk["logprobs"][k:]
+        return stripped
+
+
 class Choice:
     """One choice's stream: chunks from the router, text deltas, and the timings the metrics need."""
 
@@ -280,24 +310,29 @@ class Choice:
         self.spec: dict | None = None
         self.timing: dict | None = None      # the engines' queue / prefill / decode seconds (finished requests)
         self.num_cached_tokens = 0
+        self.replaying: _Replay | None = None     # a replayed stream's part that the client has already
 
     def _may_retry(self, chunk: dict) -> bool:
         return chunk["type"] == "error" and chunk.get("error_type") in RETRYABLE \
-            and self.retries < len(RETRY_PAUSES_S) and (self.received == 0 or self.restartable or self._resumable)
-
-    @property
-    def _resumable(self) -> bool:
-        """Whether a stream that gave out tokens may go on from them on another replica (``Continuation``): not a
-        seeded one that samples, whose draws there would not be the ones its seed promises (it ends in its error)."""
-        return self.params.greedy or self.params.seed is None
+            and self.retries < len(RETRY_PAUSES_S)
 
     def _resume(self, request_id: str) -> None:
         """A fresh stream of the choice that goes on from what it received (``Router.stream``'s continuation):
-        its text, tokens and timings so far stay."""
-        given = Continuation(self.token_ids, self.logprobs, len(self.text) - len(self.echo))
-        self.gen = self.router.stream(request_id, self.prompt_ids, self.params, given)
+        its text, tokens and timings so far stay. A seeded one that samples is replayed instead (``_replay``): an
+        engine that continues it draws with a new generator, not the numbers its seed promises."""
+        if self.params.greedy or self.params.seed is None:
+            given = Continuation(self.token_ids, self.logprobs, len(self.text) - len(self.echo))
+            self.gen = self.router.stream(request_id, self.prompt_ids, self.params, given)
+        else:
+            self._replay(request_id)
         if self.on_resume is not None:
             self.on_resume()
+
+    def _replay(self, request_id: str) -> None:
+        """A fresh stream of a seeded choice from its prompt: its seed draws the same tokens again (as anywhere in
+        the service), and what the client already has of them is dropped as it comes again (``_Replay``)."""
+        self.gen = self.router.stream(request_id, self.prompt_ids, self.params)
+        self.replaying = _Replay(self.token_ids, self.text[len(self.echo):])
 
     async def next(self) -> dict | None:
         """The next chunk, or None at the end; exceptions from Serve become error chunks. A replica's failure
@@ -315,7 +350,7 @@ class Choice:
             self.retries += 1
             if self.received == 0 or self.restartable:
                 self._begin(f"{self.request_id}.{self.retries}")    # a fresh id: the failed attempt's may linger
-            else:
+            else:       # a stream that gave out tokens: it goes on from them
                 self._resume(f"{self.request_id}.{self.retries}")
         if chunk is None:
             self.done = True
@@ -346,13 +381,21 @@ class Choice:
 
     async def _next(self) -> dict | None:
         try:
-            return await self.gen.__anext__()
+            chunk = await self.gen.__anext__()
         except StopAsyncIteration:
             return None
         except asyncio.CancelledError:
             raise
         except Exception as e:
             return _error_chunk_from(e)
+        if self.replaying is not None and chunk["type"] == "tokens":
+            chunk = self.replaying.strip(chunk)
+            if chunk is None:
+                log.error("%s: its replay gave other tokens than the stream it replays", self.request_id)
+                return error_chunk(500, "the replica serving this stream failed, and the stream could not go on")
+            if self.replaying.done:
+                self.replaying = None
+        return chunk
 
     def delta(self) -> str:
         """Text not sent yet."""

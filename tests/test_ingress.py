@@ -227,8 +227,9 @@ def test_after_its_first_tokens_a_stream_goes_on_from_them_and_a_request_not_str
                                                                                                   monkeypatch):
     """A stream has sent its first tokens to the client: it goes on from them on another replica (the
     continuation names the tokens, their logprobs and the text received), its text and usage whole. A seeded
-    stream that samples would not draw there what its seed promises: the failure ends it. A request not streamed
-    has sent nothing: it starts over, and its answer holds the new attempt's text only."""
+    stream that samples would not draw there what its seed promises: it is replayed from its prompt, and what the
+    client has is dropped as it comes again (a replay that gives something else ends in a 500 error event). A
+    request not streamed has sent nothing: it starts over, and its answer holds the new attempt's text only."""
     from engine.sequence import Continuation
 
     monkeypatch.setattr("serve_app.ingress.RETRY_PAUSES_S", (0.01, 0.01))
@@ -253,13 +254,29 @@ def test_after_its_first_tokens_a_stream_goes_on_from_them_and_a_request_not_str
     assert metric_sum(samples, "dflash_request_resumes_total") == 1
     assert metric_sum(samples, "dflash_request_errors_total") == 0
 
-    ingress.router = ScriptedRouter(failing_first([[tokens([40], "a"), UNAVAILABLE]],
-                                                  [tokens([41], "b", finished=True)]))
-    r = ingress.client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "stream": True,
-                                                     "temperature": 0.8, "seed": 7})
+    seeded = {"model": "tiny", "prompt": "hi", "stream": True, "temperature": 0.8, "seed": 7, "logprobs": 0,
+              "stream_options": {"include_usage": True}}
+    lp = [TokenLogprob(t, -0.5) for t in (40, 42, 41)]
+    ingress.router = ScriptedRouter(failing_first(
+        [[tokens([40], "a", logprobs=lp[:1]), tokens([42], "c", logprobs=lp[1:2]), UNAVAILABLE]],
+        [tokens([40, 42], "a", logprobs=lp[:2]), tokens([41], "cb", finished=True, logprobs=lp[2:])]))
+    r = ingress.client.post("/v1/completions", json=seeded)
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
-    assert events[0]["choices"][0]["text"] == "a" and events[-1]["error"]["code"] == "unavailable"
-    assert len(ingress.router.sent) == 1
+    assert not [e for e in events if "error" in e], events
+    assert "".join(c["text"] for e in events for c in e["choices"]) == "acb"
+    assert sum(len((c["logprobs"] or {}).get("tokens", [])) for e in events for c in e["choices"]) == 3
+    assert events[-1]["usage"]["completion_tokens"] == 3
+    assert ingress.router.continuations == [None, None]     # replayed from the prompt, not continued
+    samples = metric_samples(ingress.metrics.own_text())
+    assert metric_sum(samples, "dflash_request_resumes_total") == 2
+
+    ingress.router = ScriptedRouter(failing_first([[tokens([40], "a"), UNAVAILABLE]],
+                                                  [tokens([41], "b"), tokens([42], "c", finished=True)]))
+    r = ingress.client.post("/v1/completions", json=seeded)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert [e["error"]["type"] for e in events if "error" in e] == ["server_error"]
+    assert "".join(c["text"] for e in events if "choices" in e for c in e["choices"]) == "a"
+    assert len(ingress.router.sent) == 2
     ingress.router = ScriptedRouter(failing_first([[tokens([40], "a"), UNAVAILABLE]],
                                                   [tokens([40], "a"), tokens([41], "b", finished=True)]))
     r = ingress.client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "return_token_ids": True})

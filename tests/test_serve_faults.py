@@ -1,8 +1,9 @@
 """Faults on the disaggregated service (two ingress replicas, whose /metrics must agree; a TP 2 decode replica):
 SIGKILL of the real processes (decode replica, which hosts its rank-0 worker; its rank-1 worker, met in the
 middle of a collective; decode KV manager; prefill replica; prefill KV manager). Each time: the streams in flight
-end with their full output, the answer they give alone (those whose decode replica lost a process go on from the
-tokens they gave out, on the prefill replica); meanwhile the other role's replicas run new requests whole, with the
+(greedy, and seeded sampling) end with their full output, the answer they give alone (those whose decode replica lost
+a process go on from the tokens they gave out, on the prefill replica: continued, or replayed and what the client
+has dropped); meanwhile the other role's replicas run new requests whole, with the
 same output, within WHOLE_S of the kill, and /health says ``degraded`` (never 503: a role still serves) until the
 role has a healthy replica again, within RECOVERY_S; no page stays in use."""
 
@@ -75,20 +76,22 @@ def alive_actor(role: str, kind: str) -> tuple[str, int]:
     return found[0]
 
 
-LONG = {"model": "tiny", "prompt": "a", "max_tokens": STREAM_TOKENS, "temperature": 0, "ignore_eos": True}
+LONG = {"greedy": {"model": "tiny", "prompt": "a", "max_tokens": STREAM_TOKENS, "temperature": 0, "ignore_eos": True}}
+LONG["seeded"] = {**LONG["greedy"], "temperature": 0.8, "seed": 5}
 
 
 @pytest.fixture(scope="module")
-def long_answer(server) -> str:
-    """The long request's answer alone, before any kill."""
-    return httpx.post(f"{server}/v1/completions", json=LONG, timeout=120).json()["choices"][0]["text"]
+def long_answers(server) -> dict[str, str]:
+    """Each long request's answer alone, before any kill."""
+    return {kind: httpx.post(f"{server}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+            for kind, body in LONG.items()}
 
 
-def stream_events(url: str, started: threading.Event, out: dict) -> None:
-    """The long request, streamed; ``out`` gets its data events, when each came, and how it ended."""
+def stream_events(url: str, kind: str, started: threading.Event, out: dict) -> None:
+    """The long request of ``kind``, streamed; ``out`` gets its data events, when each came, and how it ended."""
     events, times = out.setdefault("events", []), out.setdefault("times", [])
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True}, timeout=120) as r:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**LONG[kind], "stream": True}, timeout=120) as r:
             out["status"] = r.status_code
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -166,7 +169,7 @@ def test_metrics_of_any_ingress_count_the_requests_of_every_ingress(server):
 @pytest.mark.parametrize("role,kind", [("decode", "replica"), ("decode", "engine"), ("decode", "follower"),
                                        ("decode", "kv_manager"), ("prefill", "replica"), ("prefill", "engine"),
                                        ("prefill", "kv_manager")])
-def test_killed_process_is_replaced_and_service_recovers(server, long_answer, role, kind):
+def test_killed_process_is_replaced_and_service_recovers(server, long_answers, role, kind):
     wait_healthy(server)
     other = {"prefill": "decode", "decode": "prefill"}[role]
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -175,9 +178,9 @@ def test_killed_process_is_replaced_and_service_recovers(server, long_answer, ro
     victim = alive_actor(role, kind)
     # Two long streams, decoding when the process dies.
     outs, threads = [], []
-    for _ in range(2):
-        started, out = threading.Event(), {}
-        t = threading.Thread(target=stream_events, args=(server, started, out), daemon=True)
+    for sampling in LONG:
+        started, out = threading.Event(), {"kind": sampling}
+        t = threading.Thread(target=stream_events, args=(server, sampling, started, out), daemon=True)
         t.start()
         assert started.wait(60)
         outs.append(out)
@@ -232,7 +235,7 @@ def test_killed_process_is_replaced_and_service_recovers(server, long_answer, ro
     for t, out in zip(threads, outs):
         t.join(60)
         assert not t.is_alive(), "a request in flight hangs after the kill"
-        check_ending(out, long_answer)
+        check_ending(out, long_answers[out["kind"]])
         stall = max(b - a for a, b in zip(out["times"], out["times"][1:]))
         assert stall < RESUME_S, f"a stream stalled {stall:.1f} s"
     if role == "decode":        # both streams went on elsewhere (the prefill replica) from what they gave out
