@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -22,7 +24,9 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args: Callable[
     up.add_argument("--model", default=None, help="override the target model directory")
     up.add_argument("--draft", default=None, help="override the drafter directory")
     up.add_argument("--no-draft", action="store_true", help="serve the target alone")
-    up.add_argument("--num-cpus", type=float, default=None, help="logical CPUs of a local cluster (default 4)")
+    up.add_argument("--num-cpus", type=int, default=None,
+                    help="logical CPUs of a local cluster (default: the machine's, at least 4 and at least what the "
+                         "config's deployments ask)")
     up.add_argument("--ready-timeout", type=float, default=600.0)
     up.set_defaults(func=cmd_up)
 
@@ -115,11 +119,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         ray.init(address=address, runtime_env=env, configure_logging=False)
     else:
         # "local": a fresh cluster owned by this process, even if another one runs on the machine.
-        ray.init(address="local", num_cpus=args.num_cpus or 4, include_dashboard=False, runtime_env=env,
-                 configure_logging=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=args.num_cpus or local_cpus(service), include_dashboard=False,
+                 runtime_env=env, configure_logging=False, log_to_driver=False)
     url = f"http://{host}:{port}"
+    up = threading.Event()
     try:
         serve.start(http_options={"host": host, "port": port})
+        # serve.run returns once every replica has started: meanwhile say what Serve says keeps one waiting.
+        threading.Thread(target=_tell_waits, args=(DEFAULT_APP_NAME, up), daemon=True).start()
         serve.run(build_service(service), name=DEFAULT_APP_NAME, route_prefix="/",
                   blocking=False)
         deadline = time.monotonic() + args.ready_timeout
@@ -133,6 +140,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{url}/health did not turn ready in {args.ready_timeout:.0f} s")
             time.sleep(0.5)
+        up.set()
         roles = "1 aggregated deployment" if service.mode == "aggregated" else "prefill + decode deployments"
         print(f"dflash-serve: serving {service.model.name!r} ({service.mode}: {roles}) at {url}", flush=True)
         print(f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
@@ -147,11 +155,45 @@ def cmd_up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("dflash-serve: shutting down", file=sys.stderr, flush=True)
     finally:
+        up.set()
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
     return 0
+
+
+def local_cpus(service) -> int:
+    """Logical CPUs for a cluster of ``up``'s own (Ray wants a whole number): the machine's, at least 4 (a 2-core box
+    runs the demo service's processes side by side) and at least what the config's deployments ask (else some replica
+    never starts)."""
+    return max(4, os.cpu_count() or 1, math.ceil(service.cpus_needed() - 1e-9))
+
+
+def _tell_waits(app_name: str, up: threading.Event, every_s: float = 2.0) -> None:
+    """Until ``up`` is set, print each new thing Serve says of a deployment that is not up yet (a replica that no
+    node has the resources for waits in silence otherwise: serve.run does not return until it starts)."""
+    told: set[str] = set()
+    while not up.wait(every_s):
+        for line in _not_ready(app_name):
+            if line not in told:
+                told.add(line)
+                print(f"dflash-serve: waiting: {line}", file=sys.stderr, flush=True)
+
+
+def _not_ready(app_name: str) -> list[str]:
+    """What Serve says of the application's deployments that are not up yet (such as a replica that no node has
+    the resources for), one line each; nothing when it says nothing."""
+    from ray import serve
+
+    try:
+        app = serve.status().applications.get(app_name)
+    except Exception:       # the controller is still starting
+        return []
+    if app is None:
+        return []
+    return [f"{name}: {d.message}" for name, d in app.deployments.items()
+            if d.message and str(getattr(d.status, "value", d.status)) != "HEALTHY"]
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

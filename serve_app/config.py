@@ -200,6 +200,13 @@ class ServiceConfig(_Strict):
     def engine_roles(self) -> tuple[str, ...]:
         return ("aggregated",) if self.mode == "aggregated" else ("prefill", "decode")
 
+    def cpus_needed(self) -> float:
+        """Logical CPUs the deployments ask of Ray at their largest: every replica up to the autoscaling maximum
+        (the metrics hub, engine processes and KV managers ask none)."""
+        def most(d: DeploymentSettings) -> int:
+            return d.autoscaling.max_replicas if d.autoscaling is not None else d.num_replicas or 1
+        return sum(most(d) * d.num_cpus for d in (self.ingress, *(getattr(self, r) for r in self.engine_roles())))
+
     def tp_size(self, role: str) -> int:
         """Tensor-parallel ranks per replica of ``role``: its deployment's setting, else the model's."""
         return getattr(self, role).tensor_parallel_size or self.model.tensor_parallel_size
