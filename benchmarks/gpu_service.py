@@ -543,6 +543,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=40)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--output-len", type=int, default=64,
+                   help="throughput: tokens each request generates (ignore_eos), HTTP and offline alike")
     p.add_argument("--min-requests", type=int, default=16,
                    help="throughput: requests per run at least (else 2 per stream), HTTP and offline alike")
     p.add_argument("--ingress-replicas", type=int, nargs="+", default=None, metavar="N",
@@ -649,7 +651,7 @@ def main() -> int:
                             urls = deploy({name: app_args(apps[name]["mode"], dtype, args.device, shares, **settings)
                                            for name in args.apps}, port, one_by_one=two)
                         with off_engine_cpus(variant.get("engine_cpus")):       # the load client too
-                            batch = throughput(urls, args.concurrency, args.repeats, 64,
+                            batch = throughput(urls, args.concurrency, args.repeats, args.output_len,
                                                variant.get("client_processes", 1), args.min_requests,
                                                profiles if args.profile and not n else None)
                         for summary in batch:
@@ -682,7 +684,8 @@ def main() -> int:
         from serve_app.bench import format_table, public
 
         result["throughput"] = {"http": [public(s) for s in summaries],
-                                "offline": offline(args, args.concurrency, args.repeats, 64, args.dtypes[0],
+                                "offline": offline(args, args.concurrency, args.repeats, args.output_len,
+                                                   args.dtypes[0],
                                                    profiles if args.profile else None)}
         if profiles:
             result["throughput"]["profiles"] = profiles

@@ -147,10 +147,7 @@ def _probes(context: int, rng: random.Random) -> list[Probe]:
     for i, text in enumerate(texts[:12]):
         probes.append(Probe(text, chat=i % 3 == 2, max_tokens=rng.choice((1, 2, 16, 48, 96)),
                             seed=None if i % 4 else 1000 + i))
-    # Long prompts, several prefill chunks each (the one that ends at the context limit is fitted in ``references``).
-    joined = "\n".join(texts)
-    for chars in (2500, 4500):
-        probes.append(Probe(joined[:chars], chat=False, max_tokens=32, seed=None))
+    # Long prompts, several prefill chunks each, are fitted to the service's context in ``references``.
     return probes
 
 
@@ -222,12 +219,11 @@ class Soak:
         if len(self.failures) < 20:
             self.failures.append(what)
 
-    async def fit(self, session, context: int) -> None:
-        """A probe whose prompt and ``max_tokens`` fill the context but for a token or two: the prompt's length in
-        characters bisected on the tokens the service counts (its longest prompt, in many prefill chunks)."""
+    async def fit(self, session, context: int, max_tokens: int) -> None:
+        """A probe whose prompt and ``max_tokens`` fill ``context`` tokens but for a token or two: the prompt's
+        length in characters bisected on the tokens the service counts (a long prompt, in many prefill chunks)."""
         joined = "\n".join(json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip())
         joined = joined * (1 + 8 * context // max(1, len(joined)))
-        max_tokens = 16
         most = context - max_tokens
         lo, hi = 0, len(joined)
         while hi - lo > 1:
@@ -245,7 +241,9 @@ class Soak:
 
     async def references(self, session) -> None:
         """Each probe's answer alone on the idle service (not streamed)."""
-        await self.fit(session, self.context)
+        # Two long prompts (about a third and two thirds of the context) and the longest one the context takes.
+        for share, max_tokens in ((0.35, 32), (0.7, 32), (1.0, 16)):
+            await self.fit(session, int(self.context * share), max_tokens)
         for probe in list(self.probes):
             status, answer = await _request(session, self.url, probe.body(self.model, stream=False))
             if status == 200 and isinstance(answer, Answer):
