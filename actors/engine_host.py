@@ -50,7 +50,7 @@ from actors.engine_loop import EngineStopped, ReservationQueue, hand_over, name_
 from actors.nixl_transfer import TransferError
 from actors.sink import SinkAddress
 from actors.ticket import Handoff, PrefillOffer, PrefillPages, Ticket, send_holds
-from actors.worker import RankWorker, kv_manager
+from actors.worker import Lifeline, RankWorker, kv_manager
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sequence import Continuation, SamplingParams
 
@@ -263,7 +263,7 @@ def _wire(item) -> Any:
     return error_from(item)
 
 
-class EngineHost(RankWorker):
+class EngineHost(Lifeline, RankWorker):
     """Rank 0 as an actor: builds the engine, steps it in its engine loop thread, runs the commands its replica
     sends over the socket in order and sends the steps' outputs back on it."""
 

@@ -8,6 +8,7 @@ of their own, each forward rank 0 broadcasts over the group's process group (``e
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import gc
 
@@ -80,6 +81,15 @@ def freeze_heap() -> None:
     project's CPU box, with the engine thread stopped for it), and they live until the process ends."""
     gc.collect()
     gc.freeze()
+
+
+class Lifeline:
+    """Mixed into an async actor that shares its owner's fate (Ray ends the actors a process owns when it dies): a
+    call to ``lifeline`` never returns, so its caller's pending call fails the moment this actor ends. The metrics
+    hub holds one per replica, on the replica's rank-0 engine process (``serve_app.metrics.MetricsHub.watch``)."""
+
+    async def lifeline(self) -> None:
+        await asyncio.Event().wait()
 
 
 class RankWorker:

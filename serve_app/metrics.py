@@ -11,6 +11,7 @@ it (``serve shutdown``, ``serve.delete``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -23,6 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from actors.cpus import leave_engine_cpus
 from actors.logs import configure_actor_logging
 
+log = logging.getLogger(__name__)
+
 # ``_created`` samples are timestamps: they cannot be summed over ingress replicas.
 prometheus_client.disable_created_metrics()
 
@@ -33,6 +36,7 @@ HANDOFF_PHASES = ("reserve", "settle", "read", "start")     # EngineHost._take_o
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 STALE_REPORTS = 3      # a replica that missed this many reports in a row is gone (scaled down or dead) ...
 STALE_GRACE_S = 2.0    # ... plus this long: a loaded host delays a report thread by a second or more
+GONE_KEPT = 1024       # how many gone reporters the hub remembers (their late reports ignored)
 
 
 class MetricsHub:
@@ -41,17 +45,24 @@ class MetricsHub:
     An engine replica's snapshot: ``role``, ``healthy``, batch sizes and pages per pool. An ingress's:
     ``role: "ingress"`` and its request metrics in Prometheus text. Each carries ``interval_s``, its report
     period: one that missed ``STALE_REPORTS`` reports (and ``STALE_GRACE_S`` more) is gone (scaled down or dead).
-    A replica that lost a rank says so itself at once (``healthy: False``)."""
+    A replica that lost a rank says so itself at once (``healthy: False``). A replica that is killed says nothing,
+    so each also gives the hub a lifeline (``watch``): when its process dies, the hub knows within milliseconds,
+    not after the staleness window (2.6 s at 0.2 s reports), and the ingresses route around it that much sooner."""
 
     def __init__(self, clock=time.monotonic):
         configure_actor_logging()
         leave_engine_cpus()
         self._clock = clock
         self._snapshots: dict[str, tuple[float, dict]] = {}
+        self._watches: dict[str, asyncio.Task] = {}
+        self._gone: dict[str, None] = {}     # reporters whose lifeline broke, oldest first (``GONE_KEPT``)
 
     def report(self, reporter: str, snapshot: dict) -> None:
         """Keep the reporter's latest snapshot; one that carries a ``seq`` older than the kept one's (an ingress's
-        reports sent from two threads may arrive out of order) only says the reporter is alive."""
+        reports sent from two threads may arrive out of order) only says the reporter is alive. A report from a
+        reporter whose lifeline broke (sent before its process died) is ignored."""
+        if reporter in self._gone:
+            return
         kept = self._snapshots.get(reporter)
         if kept is not None and snapshot.get("seq", 0) < kept[1].get("seq", 0):
             snapshot = kept[1]
@@ -59,6 +70,36 @@ class MetricsHub:
 
     def forget(self, reporter: str) -> None:
         self._snapshots.pop(reporter, None)
+        watch = self._watches.pop(reporter, None)
+        if watch is not None:
+            watch.cancel()
+
+    async def watch(self, reporter: str, lifeline) -> None:
+        """Watch ``reporter``'s process through ``lifeline``: an actor whose fate it shares (one it owns, which
+        Ray ends with it), with a ``lifeline`` method that never returns (``actors.worker.Lifeline``). When that
+        call fails because the actor died, the reporter is gone at once: its snapshot dropped, its later reports
+        ignored. The reporter sends this again now and then (a hub that was replaced knows nothing of it); while
+        the watch is on, that does nothing. Any other failure of the call (the actor unreachable for a moment)
+        only ends the watch: the reports' staleness still holds, and the next ``watch`` starts it again."""
+        if reporter in self._gone or reporter in self._watches:
+            return
+        self._watches[reporter] = asyncio.ensure_future(self._watch(reporter, lifeline))
+
+    async def _watch(self, reporter: str, lifeline) -> None:
+        from ray.exceptions import ActorDiedError
+
+        try:
+            await lifeline.lifeline.remote()
+        except ActorDiedError:
+            role = self._snapshots.pop(reporter, (0.0, {}))[1].get("role")
+            self._gone[reporter] = None
+            while len(self._gone) > GONE_KEPT:
+                del self._gone[next(iter(self._gone))]
+            log.warning("%s%s is gone: its process died", reporter, f" ({role})" if role else "")
+        except Exception as e:      # not known dead: the staleness window decides
+            log.warning("lost the lifeline of %s (%s: %s); its reports still tell", reporter, type(e).__name__, e)
+        finally:
+            self._watches.pop(reporter, None)
 
     def snapshots(self) -> dict[str, dict]:
         now = self._clock()
@@ -87,6 +128,9 @@ class HubClient:
 
     def forget(self, reporter: str) -> None:
         self._send(lambda: self.hub.forget.remote(reporter))
+
+    def watch(self, reporter: str, lifeline) -> None:
+        self._send(lambda: self.hub.watch.remote(reporter, lifeline))
 
     def _send(self, call) -> None:
         loop = self._loop

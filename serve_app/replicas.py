@@ -16,6 +16,9 @@ log = logging.getLogger(__name__)
 
 # How long a replica that lost a process stays up after failing its requests: their error chunks reach the callers.
 LEAVE_AFTER_S = 1.0
+# How often a replica gives the metrics hub its lifeline again (``MetricsHub.watch``: a no-op while the hub holds
+# it; a hub that was replaced learns of it within this).
+LIFELINE_RENEW_S = 10.0
 
 
 class _Served:
@@ -36,8 +39,14 @@ class _Served:
         self._reporter.start()
 
     def _report(self) -> None:
+        lifeline_at = None
         while not self._closed.wait(self.service.metrics_report_interval_s):
             try:
+                if lifeline_at is None or time.monotonic() - lifeline_at >= LIFELINE_RENEW_S:
+                    # Rank 0's engine process, which this process owns: it ends when this process dies, and the
+                    # hub's pending call to it fails then (a SIGKILL says nothing else).
+                    self._hub.watch(self.replica_id, self.group.host)
+                    lifeline_at = time.monotonic()
                 interval = self.service.metrics_report_interval_s
                 problems = self.group.health_problems(timeout_s=min(2.0, 4 * interval))
                 if any(p.fatal for p in problems):

@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 # How long a request whose replica stream ended waits for its last chunk on the sink (sent before that end).
 LAST_CHUNK_S = 10.0
 # How long a role whose call failed as unavailable (its replica lost a process, or is gone) is passed over: its
-# replica leaves within about two seconds, and the hub, which also names a role without a healthy replica, may go
-# on listing a dead one for five seconds (``serve_app.metrics.STALE_REPORTS``); a replacement takes longer.
+# replica leaves within about two seconds, and the hub, which also names a role without a healthy replica, drops a
+# dead one at once (``MetricsHub.watch``) but one on a lost node only once its reports are stale
+# (``serve_app.metrics.STALE_REPORTS``); a replacement takes longer.
 DOWN_S = 10.0
 ROLES = ("prefill", "decode")
 # While a request waits for its prefill's result or its decode call's first chunk, how often the router asks

@@ -1,5 +1,11 @@
 """The metrics hub's view of which replicas are alive: /health and the autoscaling gauges rest on it."""
 
+import os
+import signal
+import time
+
+import pytest
+
 from serve_app.metrics import STALE_GRACE_S, STALE_REPORTS, MetricsHub
 
 
@@ -101,3 +107,49 @@ def test_the_engine_loops_time_is_summed_per_role_and_kind():
     assert metric_sum(samples, "dflash_engine_loop_seconds_total", role="prefill") == 9
     assert metric_sum(samples, "dflash_engine_process_cpu_seconds_total") == 15
     assert metric_sum(samples, "dflash_num_preemptions_total", role="decode") == 9
+
+
+@pytest.mark.ray
+def test_a_killed_replica_is_gone_from_the_hub_at_once_through_its_lifeline(ray_cluster):
+    """SIGKILL leaves a replica no word to say: the hub would list it until its reports went stale (here, at 100 s
+    a report, for five minutes). Its lifeline, an actor it owns (in the service, its rank-0 engine process), ends
+    with it, and the hub's pending call to it tells at once: the replica is dropped, a report it sent before dying
+    that arrives late is ignored. The same when the lifeline's own process dies (the engine process of a replica
+    that is about to leave). Without ``watch`` neither is dropped before the staleness window."""
+    import ray
+
+    from actors.worker import Lifeline
+
+    @ray.remote(num_cpus=0)
+    class Owner:        # as a Serve replica owns its rank-0 engine process
+        def __init__(self):
+            self.engine = ray.remote(Lifeline).options(num_cpus=0, max_restarts=0).remote()
+
+        def lifeline(self):
+            return [self.engine]
+
+        def pid(self) -> int:
+            return os.getpid()
+
+    hub = ray.remote(num_cpus=0)(MetricsHub).remote()
+    owners = {name: Owner.remote() for name in ("prefill-killed", "decode-lost-engine", "decode-alive")}
+    lifelines = {name: ray.get(o.lifeline.remote())[0] for name, o in owners.items()}
+    snapshot = {"healthy": True, "interval_s": 100.0}
+    for name in owners:
+        ray.get(hub.report.remote(name, {**snapshot, "role": name.split("-")[0]}))
+        ray.get(hub.watch.remote(name, lifelines[name]))
+        ray.get(hub.watch.remote(name, lifelines[name]))       # renewed: still one watch
+    assert set(ray.get(hub.snapshots.remote())) == set(owners)
+
+    os.kill(ray.get(owners["prefill-killed"].pid.remote()), signal.SIGKILL)
+    ray.kill(lifelines["decode-lost-engine"])
+    killed = time.monotonic()
+    while set(ray.get(hub.snapshots.remote())) != {"decode-alive"}:
+        assert time.monotonic() - killed < 10, ray.get(hub.snapshots.remote())
+        time.sleep(0.05)
+    print(f"dropped {time.monotonic() - killed:.2f} s after the kills")
+    ray.get(hub.report.remote("prefill-killed", {**snapshot, "role": "prefill"}))     # sent before it died
+    assert set(ray.get(hub.snapshots.remote())) == {"decode-alive"}
+    ray.get(hub.forget.remote("decode-alive"))      # scaled down: its watch ends with it
+    assert ray.get(hub.snapshots.remote()) == {}
+    ray.kill(owners["decode-alive"])
