@@ -17,15 +17,15 @@ Then, with the load stopped: the KV pages in use on every replica must come back
 request may be left running or waiting, and ``/health`` must answer. Exits 1 when any check failed, with the first
 failures printed; prints requests and outcomes by kind, and end-to-end latency percentiles.
 
-**Kills** (``--kill-every S``, the service on this host): meanwhile, every S seconds or so (once the service
-answers ``/health`` ``ok`` again after the last), one of its processes is killed with SIGKILL, drawn from
-``--kill-kinds``: an engine's process, a KV manager, a tensor-parallel rank's worker, a prefill, decode or
-aggregated replica (an ingress too, if asked: its clients' connections drop). Then a request may also end in a
-clean error (an HTTP 5xx or a stream's error event, each with an OpenAI error object), but only one that overlapped
-a kill or the ``--recovery-s`` after it; a 200 must still be its answer alone, and a cut stream, a transport error
-or a request that outlasts ``--request-timeout-s`` fails. Where an ingress was killed during a request or up to
-``INGRESS_GONE_S`` before it began, the HTTP front's plain 500, a dropped connection or a cut stream is allowed
-too: that ingress held the client's connection. After the load the service must have every replica back (as many as
+**Kills** (``--kill-every S``, the service on this host): meanwhile, every S seconds or so (once the service answers
+``/health`` ``ok`` again after the last), one of its processes is killed with SIGKILL, drawn from ``--kill-kinds``:
+an engine's process, a KV manager, a tensor-parallel rank's worker, a prefill, decode or aggregated replica (if
+asked, an ingress: its clients' connections drop; or the metrics hub). Then a request may also end in a clean error
+(an HTTP 5xx or a stream's error event, each with an OpenAI error object), but only one that overlapped a kill or
+the ``--recovery-s`` after it; a 200 must still be its answer alone, and a cut stream, a transport error or a
+request that outlasts ``--request-timeout-s`` fails. Where an ingress was killed during a request or up to
+``INGRESS_GONE_S`` before it began, the HTTP front's plain 500, a dropped connection or a cut stream is allowed too:
+that ingress held the client's connection. After the load the service must have every replica back (as many as
 before it), the gauges must come back to 0, and each probe sent alone must give its answer alone again.
 """
 
@@ -84,7 +84,7 @@ class Answer:
 KILLABLE = {"engine": ("ray::EngineHost",), "kv_manager": ("ray::KVManagerActor",),
             "prefill": ("ray::ServeReplica:", ":PrefillServer"), "decode": ("ray::ServeReplica:", ":DecodeServer"),
             "aggregated": ("ray::ServeReplica:", ":AggregatedServer"), "worker": ("ray::RankWorker",),
-            "ingress": ("ray::ServeReplica:", ":Ingress")}
+            "ingress": ("ray::ServeReplica:", ":Ingress"), "hub": ("ray::ServeReplica:", ":MetricsHub")}
 
 # After an ingress is killed, the HTTP front (HAProxy in Serve's throughput mode) may still route a request to it
 # until Serve's controller or HAProxy's own health check (every 5 s) takes it out: such a request gets the front's

@@ -53,6 +53,10 @@ log = logging.getLogger("dflash.ingress")
 # /docs and /openapi.json are off unless the config turns them on (``Ingress.__init__``).
 api = FastAPI(title="dflash-serve", docs_url=None, redoc_url=None, openapi_url=None)
 READY_TTL_S = 1.0
+# How long /health waits for the metrics hub before it answers from the hub's last answer: a hub that Serve is
+# replacing (6-10 s on 2 cores) or that hangs does not stop the service from serving, nor should it stop a load
+# balancer's health probe, whose timeout is often a second or two.
+HEALTH_HUB_WAIT_S = 1.0
 # A choice whose replica failed is sent again, after each of these pauses in turn: a replica that lost a process
 # leaves within about two seconds, and the routers then pass it over (``serve_app.replicas``). Before anything of it
 # reached the client (before its first token; a request not streamed, at any point) it starts over; a stream that
@@ -500,22 +504,31 @@ class Ingress:
         """Ask the hub again, in the background, when its last answer is older than READY_TTL_S or said no role
         can serve; whether it did (or a refresh is in flight: ``self._refresh``)."""
         stale = time.monotonic() - self._ready_at > READY_TTL_S or not self._ready
-        if stale and (self._refresh is None or self._refresh.done()):
+        if stale:
+            self._ask_hub()
+        return stale
+
+    def _ask_hub(self) -> asyncio.Task:
+        """The hub's answer on its way (asked now unless a call is already in flight), refreshing this view."""
+        if self._refresh is None or self._refresh.done():
             # In a context of its own: not this request's call (its cancellation must not cancel the refresh).
             self._refresh = asyncio.get_running_loop().create_task(self._refresh_ready(),
                                                                    context=contextvars.Context())
-        return stale
+        return self._refresh
 
     def _healthy_replicas(self) -> dict[str, int] | None:
         """The router's view: healthy replicas per role, as the hub last said (refreshed when stale)."""
         self._refresh_if_stale()
         return self._healthy
 
-    async def _refresh_ready(self) -> None:
+    async def _refresh_ready(self) -> bool:
+        """Whether the hub answered."""
         try:
             await self._snapshots()
+            return True
         except Exception:      # the hub did not answer: keep the last answer, ask again at the next request
             log.warning("readiness refresh from the metrics hub failed", exc_info=True)
+            return False
 
     def _admit(self, num_choices: int, param: str) -> None:
         """Count the request's choices against the in-flight limit (``_finish`` gives them back)."""
@@ -565,18 +578,28 @@ class Ingress:
     @api.get("/health")
     async def health(self):
         """200 ``ok``; 200 ``degraded`` while one role of a disaggregated service has no healthy replica (the
-        other runs requests whole meanwhile, ``serve_app.router``); 503 while no role can serve."""
-        await self._snapshots()
+        other runs requests whole meanwhile, ``serve_app.router``); 503 while no role can serve. The hub is asked
+        afresh; one that has not answered within HEALTH_HUB_WAIT_S (Serve replacing it, or hung) leaves its last
+        answer standing, which the body's ``message`` says (requests are served meanwhile)."""
+        asked = self._ask_hub()
+        answered = False
+        try:
+            # Until the hub's first answer there is nothing to stand on: wait for it.
+            wait_s = HEALTH_HUB_WAIT_S if self._healthy is not None else None
+            answered = await asyncio.wait_for(asyncio.shield(asked), wait_s)
+        except asyncio.TimeoutError:
+            pass
+        note = {} if answered else {"message": "the metrics hub did not answer; its last answer stands"}
         if not self._ready:
             raise APIError(503, f"no healthy replica for: {', '.join(self._unready)}", "unavailable",
                            code="unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
         whole = self.router.whole_on()      # (the hub's view, and the calls that failed here)
         if whole is not None:
             down = [role for role in self.roles if role != whole]
+            message = f"no healthy replica for: {', '.join(down)}; requests run whole on the {whole} replicas"
             return {"status": "degraded", "unavailable": down,
-                    "message": f"no healthy replica for: {', '.join(down)}; requests run whole on the {whole} "
-                               "replicas"}
-        return {"status": "ok"}
+                    "message": f"{message} ({note['message']})" if note else message}
+        return {"status": "ok", **note}
 
     @api.get("/v1/models")
     async def models(self):

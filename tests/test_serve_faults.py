@@ -22,6 +22,7 @@ pytestmark = pytest.mark.ray
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
+from serve_app.ingress import HEALTH_HUB_WAIT_S  # noqa: E402
 from serve_app.router import DOWN_S  # noqa: E402
 from tests.test_serve_support import metric_samples, metric_sum, tiny_service, wait_healthy  # noqa: E402
 
@@ -80,6 +81,16 @@ def alive_actor(role: str, kind: str) -> tuple[str, int]:
                 pass
     assert len(found) == 1, found
     return found[0]
+
+
+def hub_pid() -> int:
+    """The process of the application's metrics hub (Serve's replica actor ``...#MetricsHub#<id>``)."""
+    import ray
+
+    names = [(a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith("SERVE_REPLICA::") and "#MetricsHub#" in a["name"]]
+    assert len(names) == 1, names
+    return ray.get(ray.get_actor(*names[0]).__ray_call__.remote(lambda self: os.getpid()), timeout=10)
 
 
 LONG = {"greedy": {"model": "tiny", "prompt": "a", "max_tokens": STREAM_TOKENS, "temperature": 0, "ignore_eos": True}}
@@ -170,6 +181,34 @@ def test_metrics_of_any_ingress_count_the_requests_of_every_ingress(server):
     assert min(per_ingress) > 0, per_ingress      # both served some: one ingress's page alone would be short
     for _ in range(6):     # whichever ingress answers the scrape
         assert finished(httpx.get(f"{server}/metrics", timeout=30).text) == before + 16
+
+
+def test_health_answers_while_the_metrics_hub_hangs(server):
+    """/health asks the metrics hub, and a load balancer's probe gives it a second or two. A hub that hangs
+    (SIGSTOP to its process: a real hang), or that Serve is replacing after a crash (6-10 s on 2 cores), does not
+    stop the service serving, so /health answers after HEALTH_HUB_WAIT_S from the hub's last answer and says so;
+    once the hub runs again it answers afresh. Before, /health waited for the hub for as long as it hung."""
+    wait_healthy(server)
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    alone = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    pid = hub_pid()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for _ in range(4):      # (two ingresses: either may answer)
+            asked = time.monotonic()
+            r = httpx.get(f"{server}/health", timeout=HEALTH_HUB_WAIT_S + 5)
+            assert time.monotonic() - asked < HEALTH_HUB_WAIT_S + 3
+            assert (r.status_code, r.json()) == (200, {"status": "ok", "message": "the metrics hub did not answer; "
+                                                                                   "its last answer stands"})
+        r = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == alone
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while (r := httpx.get(f"{server}/health", timeout=30)).json() != {"status": "ok"}:
+        assert time.monotonic() < deadline, r.json()
+        time.sleep(0.2)
+    assert hub_pid() == pid       # the same hub, running again
 
 
 @pytest.mark.parametrize("role,kind", [("decode", "replica"), ("decode", "engine"), ("decode", "follower"),
