@@ -654,7 +654,7 @@ class Ingress:
         await self._check_ready()
         self._admit(body.n, "n")
         try:
-            ids = await self._offload(lambda: self._encode_chat(body.messages))
+            ids = await self._offload(lambda: self._encode_chat(body))
             params = sampling_params(body, default_max_tokens=max(1, self.max_model_len - len(ids)),
                                      vocab_size=self.vocab_size)
             self._check_context(ids, params, body, "messages")
@@ -663,17 +663,20 @@ class Ingress:
             raise
         return await self._serve(body, [ids], params, chat=True)
 
-    def _encode_chat(self, messages) -> list[int]:
-        text, literal = self._render(messages)
+    def _encode_chat(self, body: ChatCompletionRequest) -> list[int]:
+        text, literal = self._render(body)
         return self._encode(text, "messages", literal)
 
-    def _render(self, messages) -> tuple[str, list[tuple[int, int]]]:
+    def _render(self, body: ChatCompletionRequest) -> tuple[str, list[tuple[int, int]]]:
         """The prompt's text, and the spans where a message's content wrote a control token's text."""
-        for i, m in enumerate(messages):
+        for i, m in enumerate(body.messages):
             check_text(m.text, f"messages.{i}.content")
         special = {k: self.tokenizer.config.get(k) or "" for k in ("bos_token", "eos_token")}
         special = {k: v.get("content", "") if isinstance(v, dict) else v for k, v in special.items()}
-        return render_chat(messages, self.tokenizer.chat_template, special, self.tokenizer.special_tokens)
+        return render_chat(body.messages, self.tokenizer.chat_template, special, self.tokenizer.special_tokens,
+                           add_generation_prompt=body.add_generation_prompt,
+                           continue_final_message=body.continue_final_message,
+                           template_kwargs=body.chat_template_kwargs)
 
     # --- responses ----------------------------------------------------------------------------------
     async def _serve(self, body, prompts: list[list[int]], params: SamplingParams, chat: bool,

@@ -70,6 +70,9 @@ class _SamplingFields(BaseModel):
     min_tokens: int = 0                   # extra (vLLM)
     stop_token_ids: list[int] | None = None              # extra (vLLM)
     include_stop_str_in_output: bool = False             # extra (vLLM)
+    # vLLM's, declared to be refused by name: accepted only at their no-op values.
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
 
     @property
     def include_usage(self) -> bool:
@@ -109,6 +112,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # vLLM's chat extras (``render_chat``).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     # Declared to be refused by name: accepted only at their no-op values.
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
@@ -118,6 +125,8 @@ class ChatCompletionRequest(_SamplingFields):
     prediction: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
+    chat_template: str | None = None
+    echo: bool = False
 
 
 # --- responses ---------------------------------------------------------------------------------------
@@ -278,6 +287,10 @@ def refuse_unsupported(req: _SamplingFields) -> None:
     """400 naming the field for a known OpenAI parameter this server does not implement (never ignored)."""
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    common = [("prompt_logprobs", req.prompt_logprobs is not None,
+               "prompt_logprobs is not supported (this server does not compute the prompt's log-probabilities)"),
+              ("skip_special_tokens", not req.skip_special_tokens,
+               "skip_special_tokens: false is not supported (special tokens never appear in the text)")]
     if isinstance(req, CompletionRequest):
         refused = [("suffix", bool(req.suffix), "suffix (insertion) is not supported"),
                    ("best_of", req.best_of not in (None, 1),
@@ -298,8 +311,21 @@ def refuse_unsupported(req: _SamplingFields) -> None:
                    ("audio", req.audio is not None, "audio output is not supported"),
                    ("modalities", req.modalities not in (None, ["text"]), "only the text modality is supported"),
                    ("top_logprobs", req.top_logprobs is not None and not req.logprobs,
-                    "top_logprobs needs logprobs: true")]
-    for param, bad, message in refused:
+                    "top_logprobs needs logprobs: true"),
+                   ("chat_template", req.chat_template is not None,
+                    "a chat_template per request is not supported (the model's own template applies)"),
+                   ("echo", req.echo, "echo is not supported for chat completions"),
+                   ("continue_final_message", req.continue_final_message and req.add_generation_prompt,
+                    "continue_final_message needs add_generation_prompt: false (an assistant message is either "
+                    "continued or answered)"),
+                   ("continue_final_message", req.continue_final_message and req.messages[-1].role != "assistant",
+                    "continue_final_message needs the last message to be the assistant's"),
+                   ("continue_final_message", req.continue_final_message and not req.messages[-1].text,
+                    "continue_final_message needs the last message to have content"),
+                   ("chat_template_kwargs", bool(TEMPLATE_NAMES & set(req.chat_template_kwargs or ())),
+                    f"chat_template_kwargs may not set {sorted(TEMPLATE_NAMES & set(req.chat_template_kwargs or ()))}"
+                    " (the request's messages and options set them)")]
+    for param, bad, message in common + refused:
         if bad:
             raise APIError(400, message, param=param)
 
@@ -367,13 +393,24 @@ def sampling_params(req: _SamplingFields, default_max_tokens: int, vocab_size: i
         raise APIError(400, message, param=param) from None
 
 
+# The names a chat template is rendered with (``render_chat``), which ``chat_template_kwargs`` may not set.
+TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+
+
 def render_chat(messages: list[ChatMessage], template: str | None, special: dict[str, str],
-                control_tokens: Sequence[str] = ()) -> tuple[str, list[tuple[int, int]]]:
+                control_tokens: Sequence[str] = (), add_generation_prompt: bool = True,
+                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
+                ) -> tuple[str, list[tuple[int, int]]]:
     """The tokenizer config's Jinja chat template, or the plain default ``<role>: <content>`` lines; and the
     spans of the text where a message's content held a control token's text (``control_tokens``), which the
     tokenizer is to read as ordinary characters there. The template sees each such occurrence as a placeholder
     (private-use characters and a nonce a client cannot guess), so it cannot mistake it for its own markup,
-    and whatever it does to the content around it (strip, split) is done as it would be to the original."""
+    and whatever it does to the content around it (strip, split) is done as it would be to the original.
+
+    ``add_generation_prompt``: end with the opening of the assistant's turn (the template's own variable).
+    ``continue_final_message``: end right after the last message's content, its turn left open, so that the model
+    goes on with it (a 400 if the template does not keep that content as written). ``template_kwargs``: further
+    variables for the template (``TEMPLATE_NAMES`` excepted)."""
     # Digits as private-use characters too: a template's string filters (replace, upper) must not touch them.
     digits = "".join(map(chr, range(0xE010, 0xE020)))
     nonce = "".join(digits[b & 15] for b in secrets.token_bytes(12))
@@ -387,14 +424,26 @@ def render_chat(messages: list[ChatMessage], template: str | None, special: dict
         if control_tokens else None
     contents = [m.text if pattern is None else pattern.sub(hide, m.text) for m in messages]
     if not template:
-        text = "".join(f"{m.role}: {c}\n" for m, c in zip(messages, contents)) + "assistant:"
+        text = "".join(f"{m.role}: {c}\n" for m, c in zip(messages, contents)) + \
+            ("assistant:" if add_generation_prompt else "")
     else:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        text = env.from_string(template).render(
-            messages=[{"role": m.role, "content": c} for m, c in zip(messages, contents)],
-            add_generation_prompt=True, **special)
+        try:
+            text = env.from_string(template).render(
+                **(template_kwargs or {}), **special,
+                messages=[{"role": m.role, "content": c} for m, c in zip(messages, contents)],
+                add_generation_prompt=add_generation_prompt)
+        except Exception as e:      # (a template that refuses these messages, or chokes on a client's variable)
+            raise APIError(400, f"the chat template could not render this request: {type(e).__name__}: {e}",
+                           param="chat_template_kwargs" if template_kwargs else "messages") from None
+    if continue_final_message:
+        end = text.rfind(contents[-1])
+        if end < 0:
+            raise APIError(400, "continue_final_message: the chat template does not keep the last message's "
+                           "content as written, so it cannot be continued", param="continue_final_message")
+        text = text[:end + len(contents[-1])]
     if not found:
         return text, []
     parts, spans, length, start = [], [], 0, 0

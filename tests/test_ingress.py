@@ -664,3 +664,60 @@ def test_a_continued_request_runs_whole_on_a_decode_replica_or_on_the_role_that_
     asyncio.run(run(Router({"aggregated": Deployment("aggregated")})))
     given = ("r", [1, 2], SamplingParams(), None, Continuation((40,), (), 1))
     assert calls == [("decode", "generate", given), ("prefill", "generate", given), ("aggregated", "generate", given)]
+
+
+# --- vLLM's chat extras ---------------------------------------------------------------------------------------
+def test_chat_without_the_generation_prompt_or_continuing_the_assistants_message(ingress):
+    """``add_generation_prompt: false`` leaves the assistant's turn unopened; ``continue_final_message`` ends the
+    prompt right after the last (assistant) message's text, its turn left open for the model to go on with."""
+    tok = ingress.tokenizer
+    ingress.router = RecordingRouter()
+    for extra in ({}, {"add_generation_prompt": False}):
+        r = ingress.client.post("/v1/chat/completions", json={**CHAT, **extra})
+        assert r.status_code == 200, r.text
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "he"}]
+    r = ingress.client.post("/v1/chat/completions", json={**CHAT, "messages": turns, "add_generation_prompt": False,
+                                                           "continue_final_message": True})
+    assert r.status_code == 200, r.text
+    user = "<|im_start|>user\nhi<|im_end|>\n"
+    assert ingress.router.prompts == [tok.encode(user + "<|im_start|>assistant\n"), tok.encode(user),
+                                      tok.encode(user + "<|im_start|>assistant\nhe")]
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"continue_final_message": True}, "continue_final_message"),      # with the generation prompt
+    ({"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),  # last is user's
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ({"chat_template": "{{ messages }}"}, "chat_template"),
+    ({"echo": True}, "echo"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"skip_special_tokens": False}, "skip_special_tokens"),
+])
+def test_chat_extras_this_server_cannot_honour_are_refused_by_name(ingress, extra, param):
+    ingress.router = RecordingRouter()
+    assert_error(ingress.client.post("/v1/chat/completions", json={**CHAT, **extra}), 400, param)
+    assert ingress.router.prompts == [] and ingress.inflight == 0
+    completion = {"model": "tiny", "prompt": "hi", **extra}
+    if param in ("prompt_logprobs", "skip_special_tokens"):
+        assert_error(ingress.client.post("/v1/completions", json=completion), 400, param)
+
+
+def test_template_variables_from_the_request_and_templates_that_fail_on_them():
+    template = ("{% for m in messages %}{{ m['content'] | trim }};{% endfor %}"
+                "{% if enable_thinking %}<think>{% endif %}{% if add_generation_prompt %}A:{% endif %}")
+    said = [ChatMessage(role="user", content="q"), ChatMessage(role="assistant", content="a")]
+    assert render_chat(said, template, {})[0] == "q;a;A:"
+    assert render_chat(said, template, {}, template_kwargs={"enable_thinking": True})[0] == "q;a;<think>A:"
+    assert render_chat(said, template, {}, add_generation_prompt=False, continue_final_message=True)[0] == "q;a"
+    # The template trims the content: " a " cannot be continued as written.
+    with pytest.raises(APIError) as e:
+        render_chat([ChatMessage(role="assistant", content=" a ")], template, {}, add_generation_prompt=False,
+                    continue_final_message=True)
+    assert (e.value.status, e.value.param) == (400, "continue_final_message")
+    with pytest.raises(APIError) as e:
+        render_chat(said, "{{ 1 + enable_thinking }}", {}, template_kwargs={"enable_thinking": "yes"})
+    assert (e.value.status, e.value.param) == (400, "chat_template_kwargs") and "TypeError" in e.value.message
+    # The plain default (no template) leaves the generation prompt out alike.
+    assert render_chat(said, None, {}, add_generation_prompt=False)[0] == "user: q\nassistant: a\n"
+    assert render_chat(said, None, {}, add_generation_prompt=False, continue_final_message=True)[0] == \
+        "user: q\nassistant: a"

@@ -554,6 +554,10 @@ def body_strategy():
         "stop_token_ids": st.one_of(st.lists(st.integers(-2, 200), max_size=3), junk),
         "include_stop_str_in_output": junk, "response_format": st.one_of(st.fixed_dictionaries(
             {"type": st.sampled_from(["text", "json_object"])}), junk), "tools": junk,
+        "add_generation_prompt": st.one_of(st.booleans(), junk),
+        "continue_final_message": st.one_of(st.booleans(), junk),
+        "chat_template_kwargs": st.one_of(st.dictionaries(st.sampled_from(["messages", "x", "eos_token"]), junk,
+                                                          max_size=2), junk),
     }
     prompt = st.one_of(st.text(min_size=1, max_size=12), st.lists(st.integers(4, 99), min_size=1, max_size=6),
                        st.lists(st.text(min_size=1, max_size=6), min_size=1, max_size=2))
