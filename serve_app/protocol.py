@@ -394,7 +394,7 @@ def sampling_params(req: _SamplingFields, default_max_tokens: int, vocab_size: i
 
 
 # The names a chat template is rendered with (``render_chat``), which ``chat_template_kwargs`` may not set.
-TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception"})
 
 
 def render_chat(messages: list[ChatMessage], template: str | None, special: dict[str, str],
@@ -429,10 +429,15 @@ def render_chat(messages: list[ChatMessage], template: str | None, special: dict
     else:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+        from jinja2.exceptions import TemplateError
+
+        def raise_exception(message: str):      # (Hugging Face's templates call it to refuse a conversation)
+            raise TemplateError(message)
+
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         try:
             text = env.from_string(template).render(
-                **(template_kwargs or {}), **special,
+                **(template_kwargs or {}), **special, raise_exception=raise_exception,
                 messages=[{"role": m.role, "content": c} for m, c in zip(messages, contents)],
                 add_generation_prompt=add_generation_prompt)
         except Exception as e:      # (a template that refuses these messages, or chokes on a client's variable)

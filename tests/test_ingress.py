@@ -717,6 +717,12 @@ def test_template_variables_from_the_request_and_templates_that_fail_on_them():
     with pytest.raises(APIError) as e:
         render_chat(said, "{{ 1 + enable_thinking }}", {}, template_kwargs={"enable_thinking": "yes"})
     assert (e.value.status, e.value.param) == (400, "chat_template_kwargs") and "TypeError" in e.value.message
+    # A template that refuses the conversation says why, in a 400.
+    strict = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('start with the user') }}{% endif %}x"
+    assert render_chat(said, strict, {})[0] == "x"
+    with pytest.raises(APIError) as e:
+        render_chat(said[1:], strict, {})
+    assert (e.value.status, e.value.param) == (400, "messages") and "start with the user" in e.value.message
     # The plain default (no template) leaves the generation prompt out alike.
     assert render_chat(said, None, {}, add_generation_prompt=False)[0] == "user: q\nassistant: a\n"
     assert render_chat(said, None, {}, add_generation_prompt=False, continue_final_message=True)[0] == \
