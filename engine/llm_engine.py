@@ -447,7 +447,7 @@ class LLMEngine:
         if r.params.logprobs is not None:
             r.output_logprobs.extend(c.logprobs)
         if self.tokenizer is not None:
-            r.detokenizer = self.tokenizer.detokenizer()
+            r.detokenizer = self.tokenizer.detokenizer(r.params.skip_special_tokens)
             # No stop honoured in it: the lost engine found none that ends there (else the request had ended).
             _extend_text(r, r.detokenizer.step(r.output_token_ids), honour_stops=False)
         if c.num_text_sent > len(r.output_text):
@@ -1037,7 +1037,7 @@ class LLMEngine:
         detok = None
         if self.tokenizer is not None:
             if r.detokenizer is None:
-                r.detokenizer = self.tokenizer.detokenizer()
+                r.detokenizer = self.tokenizer.detokenizer(r.params.skip_special_tokens)
             detok = r.detokenizer
         if detok is not None and not r.params.stop:
             appended = self._append_without_stops(r, detok, new_tokens, logprobs)
@@ -1115,7 +1115,7 @@ class LLMEngine:
         r = Request("", list(prompt_token_ids), params)
         r.output_token_ids.append(first_token)
         if self.tokenizer is not None:
-            r.detokenizer = self.tokenizer.detokenizer()
+            r.detokenizer = self.tokenizer.detokenizer(r.params.skip_special_tokens)
             if _extend_text(r, r.detokenizer.step(r.output_token_ids), params.min_tokens <= 1):
                 return None
         if self._limit_reason(r, first_token) is not None:

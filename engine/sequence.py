@@ -55,6 +55,7 @@ class SamplingParams:
     presence_penalty: float = 0.0      # OpenAI: minus this once a token occurs in the output
     frequency_penalty: float = 0.0     # OpenAI: minus this per occurrence in the output
     repetition_penalty: float = 1.0    # HF / vLLM: over prompt and output, positive logits divided, negative multiplied
+    skip_special_tokens: bool = True   # the text leaves special tokens (EOS, chat markers) out
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -98,6 +99,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
         if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < float("inf"):
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be a boolean, got {self.skip_special_tokens!r}")
 
     @property
     def greedy(self) -> bool:

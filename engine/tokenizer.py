@@ -87,8 +87,8 @@ class Tokenizer:
             self._as_text = tok
         return self._as_text
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """One token's text on its own (special tokens included), as logprobs report it."""
@@ -125,12 +125,15 @@ class Tokenizer:
             self._decoder_types = frozenset(t for t in types if isinstance(t, str))
         return self._decoder_types
 
-    def detokenizer(self) -> "IncrementalDetokenizer":
-        """A fresh incremental detokenizer for one growing sequence of ids (one per request)."""
+    def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+        """A fresh incremental detokenizer for one growing sequence of ids (one per request); its text is
+        ``decode(ids, skip_special_tokens)``'s."""
         if self._detok_ids is None:
             byte_ids = _byte_fallback_ids(self._tok) if "ByteFallback" in self._decoders() else frozenset()
             self._detok_ids = byte_ids, self._special_ids
-        return IncrementalDetokenizer(self._tok, *self._detok_ids)
+        byte_ids, special_ids = self._detok_ids
+        return IncrementalDetokenizer(self._tok, byte_ids, special_ids if skip_special_tokens else frozenset(),
+                                      skip_special_tokens)
 
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -176,18 +179,19 @@ class IncrementalDetokenizer:
     incomplete UTF-8 sequence), does not extend the context's text, or ends in a byte-fallback token
     (ByteFallback decodes a run of <0xNN> tokens, special tokens skipped, all at once: all U+FFFD
     unless the whole run is valid UTF-8). ``finish`` emits what is still held back. Everything ``step``
-    and ``finish`` return concatenates to ``Tokenizer.decode(ids)`` (skip_special_tokens=True) for the
+    and ``finish`` return concatenates to ``Tokenizer.decode(ids, skip_special_tokens)`` for the
     byte-level, byte-fallback, Metaspace and Fuse decoders; not for a decoder that rewrites earlier text
     on later tokens (WordPiece's cleanup, " ' " -> "'"), which no generative model here uses.
     """
 
-    __slots__ = ("_tok", "_byte_ids", "_special_ids", "prefix_offset", "read_offset", "_prefix_text")
+    __slots__ = ("_tok", "_byte_ids", "_special_ids", "_skip", "prefix_offset", "read_offset", "_prefix_text")
 
     def __init__(self, tok: _Tokenizer, byte_ids: frozenset[int] = frozenset(),
-                 special_ids: frozenset[int] = frozenset()):
+                 special_ids: frozenset[int] = frozenset(), skip_special_tokens: bool = True):
         self._tok = tok
         self._byte_ids = byte_ids       # <0xNN> ids of a ByteFallback decoder
         self._special_ids = special_ids  # skipped by decode: they do not end a byte run
+        self._skip = skip_special_tokens
         self.prefix_offset = 0          # where the context window starts
         self.read_offset = 0            # ids before this have their text emitted
         self._prefix_text = ""          # decode(ids[prefix_offset:read_offset])
@@ -202,20 +206,21 @@ class IncrementalDetokenizer:
                 k -= 1
             if k >= self.read_offset and ids[k] in self._byte_ids:
                 return ""               # a byte run still open: its text depends on how it ends
-        text = self._tok.decode(ids[self.prefix_offset:], skip_special_tokens=True)
+        text = self._tok.decode(ids[self.prefix_offset:], skip_special_tokens=self._skip)
         if len(text) <= len(self._prefix_text) or text.endswith("\ufffd") or \
                 not text.startswith(self._prefix_text):
             return ""
         new = text[len(self._prefix_text):]
         self.prefix_offset, self.read_offset = self.read_offset, len(ids)
-        self._prefix_text = self._tok.decode(ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        self._prefix_text = self._tok.decode(ids[self.prefix_offset:self.read_offset],
+                                             skip_special_tokens=self._skip)
         return new
 
     def finish(self, ids: list[int]) -> str:
         """The held-back text at the end of the sequence (incomplete UTF-8 decodes to U+FFFD, as decode does)."""
         if len(ids) <= self.read_offset:
             return ""
-        text = self._tok.decode(ids[self.prefix_offset:], skip_special_tokens=True)
+        text = self._tok.decode(ids[self.prefix_offset:], skip_special_tokens=self._skip)
         new = text[len(self._prefix_text):] if text.startswith(self._prefix_text) else ""
         self.prefix_offset = self.read_offset = len(ids)
         self._prefix_text = ""

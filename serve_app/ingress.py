@@ -638,7 +638,8 @@ class Ingress:
             if body.echo:
                 if self.tokenizer is None:
                     raise APIError(400, "this model has no tokenizer; echo needs one", param="echo")
-                echoes = [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(batch, prompts)]
+                echoes = [p if isinstance(p, str) else self.tokenizer.decode(ids, params.skip_special_tokens)
+                          for p, ids in zip(batch, prompts)]
         except BaseException:
             self.inflight -= len(batch) * body.n
             raise
@@ -789,7 +790,8 @@ class Ingress:
         """Where the token begins in the choice's text: a piece of a character begins where the character does."""
         offset = min(c.text_offset, len(c.text))
         if self.tokenizer is not None:       # (without one there is no text)
-            c.text_offset += len(c.utf8.decode(self.tokenizer.token_bytes(token_id, skip_special_tokens=True)))
+            skip = c.params.skip_special_tokens
+            c.text_offset += len(c.utf8.decode(self.tokenizer.token_bytes(token_id, skip_special_tokens=skip)))
         return offset
 
     def _logprobs(self, c: Choice, chat: bool) -> CompletionLogprobs | ChatLogprobs | None:

@@ -70,9 +70,9 @@ class _SamplingFields(BaseModel):
     min_tokens: int = 0                   # extra (vLLM)
     stop_token_ids: list[int] | None = None              # extra (vLLM)
     include_stop_str_in_output: bool = False             # extra (vLLM)
-    # vLLM's, declared to be refused by name: accepted only at their no-op values.
+    skip_special_tokens: bool = True                     # extra (vLLM)
+    # vLLM's, declared to be refused by name: accepted only at its no-op value.
     prompt_logprobs: int | None = None
-    skip_special_tokens: bool = True
 
     @property
     def include_usage(self) -> bool:
@@ -288,9 +288,7 @@ def refuse_unsupported(req: _SamplingFields) -> None:
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
     common = [("prompt_logprobs", req.prompt_logprobs is not None,
-               "prompt_logprobs is not supported (this server does not compute the prompt's log-probabilities)"),
-              ("skip_special_tokens", not req.skip_special_tokens,
-               "skip_special_tokens: false is not supported (special tokens never appear in the text)")]
+               "prompt_logprobs is not supported (this server does not compute the prompt's log-probabilities)")]
     if isinstance(req, CompletionRequest):
         refused = [("suffix", bool(req.suffix), "suffix (insertion) is not supported"),
                    ("best_of", req.best_of not in (None, 1),
@@ -384,7 +382,7 @@ def sampling_params(req: _SamplingFields, default_max_tokens: int, vocab_size: i
             seed=req.seed, stop=stop, ignore_eos=req.ignore_eos, logprobs=logprobs, stop_token_ids=tuple(stop_ids),
             include_stop_str_in_output=req.include_stop_str_in_output, min_tokens=req.min_tokens,
             logit_bias=bias, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty)
+            repetition_penalty=req.repetition_penalty, skip_special_tokens=req.skip_special_tokens)
     except ValueError as e:        # the engine's own checks; each message begins with the field's name
         field = str(e).split()[0]
         param = {"logprobs": "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"}.get(

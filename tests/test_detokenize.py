@@ -13,12 +13,12 @@ from tests.test_serve_support import write_char_tokenizer, write_tiny_pair
 DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
 
 
-def stream(tok: Tokenizer, ids: list[int]) -> str:
+def stream(tok: Tokenizer, ids: list[int], skip_special_tokens: bool = True) -> str:
     """Feed ids one at a time; every emitted text is final (a prefix of the decode of the ids so far)."""
-    detok, text = tok.detokenizer(), ""
+    detok, text = tok.detokenizer(skip_special_tokens), ""
     for k in range(1, len(ids) + 1):
         text += detok.step(ids[:k])
-        assert tok.decode(ids[:k]).startswith(text)
+        assert tok.decode(ids[:k], skip_special_tokens).startswith(text)
     return text + detok.finish(ids)
 
 
@@ -31,14 +31,16 @@ def bpe():
     return Tokenizer(DEMO / "target")
 
 
-def test_byte_level_bpe_matches_whole_decode(bpe):
+@pytest.mark.parametrize("skip", [True, False])
+def test_byte_level_bpe_matches_whole_decode(bpe, skip):
     # Pieces that are partial UTF-8 (decode alone to U+FFFD) and the special tokens, often.
     favoured = [i for i in range(bpe.vocab_size) if "\ufffd" in bpe.decode([i])] + [0, 1, 2, 3]
     assert len(favoured) > 50
     rng = random.Random(0)
     for _ in range(800):
         ids = random_ids(rng, bpe.vocab_size, favoured, rng.randint(1, 40))
-        assert stream(bpe, ids) == bpe.decode(ids), ids
+        assert stream(bpe, ids, skip) == bpe.decode(ids, skip), ids
+    assert bpe.decode([3, 3], False) == "<|im_end|><|im_end|>" and bpe.decode([3, 3]) == ""
 
 
 def test_multibyte_character_is_held_until_complete(bpe):
@@ -227,6 +229,22 @@ def test_demo_pair_text_is_the_whole_decode(bpe, monkeypatch):
         assert outs[-1].text == text[:cut]
     assert sum(outs[-1].finish_reason == "stop" and outs[-1].text != bpe.decode(outs[-1].token_ids)
                for outs in stopped) >= 2
+
+
+@pytest.mark.parametrize("drafter", [False, True])
+def test_special_tokens_are_in_the_text_when_not_skipped(bpe, drafter):
+    """``skip_special_tokens=False`` puts special tokens' text in the output (and stop strings see it); the token
+    ids are the same either way. A bias forces ``<|im_end|>`` (a special token) after the prompt's own text."""
+    llm = LLM(DEMO / "target", draft=DEMO / "drafter" if drafter else None)
+    end = bpe.token_to_id("<|im_end|>")
+    prompt = bpe.encode("def add(a, b):\n")
+    base = dict(max_tokens=6, ignore_eos=True, logit_bias={end: 100.0})
+    skipped, shown = (collect(llm.engine, [prompt], SamplingParams(**base, skip_special_tokens=skip))[0][-1]
+                      for skip in (True, False))
+    assert skipped.token_ids == shown.token_ids == [end] * 6
+    assert (skipped.text, shown.text) == ("", "<|im_end|>" * 6)
+    cut = collect(llm.engine, [prompt], SamplingParams(**base, skip_special_tokens=False, stop=("d|><|im",)))[0][-1]
+    assert (cut.text, cut.finish_reason) == ("<|im_en", "stop")
 
 
 def test_no_tokenizer_no_text(tiny_target):

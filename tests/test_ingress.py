@@ -691,14 +691,13 @@ def test_chat_without_the_generation_prompt_or_continuing_the_assistants_message
     ({"chat_template": "{{ messages }}"}, "chat_template"),
     ({"echo": True}, "echo"),
     ({"prompt_logprobs": 1}, "prompt_logprobs"),
-    ({"skip_special_tokens": False}, "skip_special_tokens"),
 ])
 def test_chat_extras_this_server_cannot_honour_are_refused_by_name(ingress, extra, param):
     ingress.router = RecordingRouter()
     assert_error(ingress.client.post("/v1/chat/completions", json={**CHAT, **extra}), 400, param)
     assert ingress.router.prompts == [] and ingress.inflight == 0
     completion = {"model": "tiny", "prompt": "hi", **extra}
-    if param in ("prompt_logprobs", "skip_special_tokens"):
+    if param == "prompt_logprobs":
         assert_error(ingress.client.post("/v1/completions", json=completion), 400, param)
 
 

@@ -760,6 +760,22 @@ def test_stop_token_ids_min_tokens_and_include_stop_str(server, target_only):
         assert (body["choices"][0]["text"], body["choices"][0]["finish_reason"]) == (expected, "stop")
 
 
+def test_special_tokens_show_in_text_and_offsets_when_not_skipped(server):
+    """vLLM's ``skip_special_tokens: false``: a forced ``<|im_end|>`` (id 2, special) is in the text, streamed and
+    not (the disaggregated app's first token goes out from the prefill side), in logprobs' offsets, and in an
+    echoed prompt of token ids; by default it is left out of all of them."""
+    body = dict(prompt=[1, 40], max_tokens=4, ignore_eos=True, logit_bias={"2": 100})
+    for skip, end in ((False, "<|im_end|>"), (True, "")):
+        whole = completion(server, **body, logprobs=0, skip_special_tokens=skip)["choices"][0]
+        assert whole["text"] == end * 4
+        assert whole["logprobs"]["text_offset"] == [k * len(end) for k in range(4)]
+        events = stream_completion(server, **body, skip_special_tokens=skip)
+        assert "".join(c["text"] for e in events for c in e["choices"]) == end * 4
+        echo = ("<|im_start|>" if not skip else "") + chr(40 - 5 + 32)     # printable characters from id 5
+        assert completion(server, **body, echo=True, skip_special_tokens=skip)["choices"][0]["text"] == \
+            echo + end * 4
+
+
 def test_echo_prepends_the_prompt(server, target_only):
     free = target_only.generate(["Hello"], SamplingParams(max_tokens=5, ignore_eos=True))[0]
     body = completion(server, prompt="Hello", max_tokens=5, ignore_eos=True, echo=True)
