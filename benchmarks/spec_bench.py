@@ -92,7 +92,8 @@ def overlap_ab(args, engine, prompts) -> None:
     same = all(p["overlapped"]["outputs"] == p["synchronous"]["outputs"] for p in passes)
     kind = ("greedy" if args.temperature <= 0 else f"seeded, temperature {args.temperature:g}") + \
         (f", presence penalty {args.presence_penalty:g}" if args.presence_penalty else "")
-    print(f"preset {args.preset} device {args.device} batch {args.batch}: {len(prompts)} prompts x "
+    which = f"pair {args.pair}" if args.preset == "demo" else f"preset {args.preset}"
+    print(f"{which} device {args.device} batch {args.batch}: {len(prompts)} prompts x "
           f"{args.max_tokens} tokens ({kind}), with the drafter; tokens identical both ways: {same}")
     for name in modes:
         best = sorted(p[name]["tokens_per_s"] for p in passes)
@@ -108,13 +109,15 @@ def overlap_ab(args, engine, prompts) -> None:
             indent=1))
 
 
-def demo_engines(args):
+def pair_engines(args):
+    """The trained pair in ``args.pair`` (``target/``, ``drafter/``), alone and with its drafter, and the held-out
+    prompts in its tokens."""
     from spec_decode import LLM
 
     common = dict(page_size=16, max_num_batched_tokens=1024, device=args.device, dtype=args.dtype or "float32",
-                  kv_cache_dtype=args.kv_cache_dtype)
-    base = LLM(REPO / "models/demo/target", **common).engine
-    spec = LLM(REPO / "models/demo/target", draft=REPO / "models/demo/drafter", **common).engine
+                  kv_cache_dtype=args.kv_cache_dtype, kv_cache_bytes=args.kv_cache_mib * 2**20)
+    base = LLM(args.pair / "target", **common).engine
+    spec = LLM(args.pair / "target", draft=args.pair / "drafter", **common).engine
     prompts_file = REPO / "benchmarks/prompts/heldout.jsonl"
     texts = [json.loads(line)["prompt"] for line in prompts_file.read_text().splitlines() if line.strip()]
     prompts = [base.tokenizer.encode(t) for t in texts[:args.num_prompts]]
@@ -176,7 +179,10 @@ def random_engines(args, preset: dict | None = None, kv_cache_bytes: int = 8 * 2
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", choices=["demo", "tiny", "qwen3-8b"], default="demo",
-                    help="demo: the bundled pair; tiny, qwen3-8b: random weights (speed only)")
+                    help="demo: a trained pair (--pair); tiny, qwen3-8b: random weights (speed only)")
+    ap.add_argument("--pair", type=Path, default=REPO / "models/demo",
+                    help="the trained pair's folder, with target/ and drafter/ (scripts/train_demo_pair.py --out)")
+    ap.add_argument("--kv-cache-mib", type=int, default=256, help="the trained pair's KV pool")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--kv-cache-dtype", default="auto")
@@ -209,7 +215,7 @@ def main():
     if args.linears == "torch":
         triton_ops.SKINNY_MAX_ROWS = 0
     triton_ops.FUSED_LAYERS = {"fused": True, "unfused": False}.get(args.linears, triton_ops.FUSED_LAYERS)
-    base, spec, prompts = demo_engines(args) if args.preset == "demo" else random_engines(args)
+    base, spec, prompts = pair_engines(args) if args.preset == "demo" else random_engines(args)
     if args.overlap_ab:
         overlap_ab(args, spec, prompts)
         return
@@ -228,7 +234,8 @@ def main():
     total = sum(s["phases"].values())
     same = f"greedy outputs identical: {lossless}" if args.temperature <= 0 else \
         f"sampled at temperature {args.temperature:g} (outputs differ by design)"
-    print(f"preset {args.preset} device {args.device} batch {args.batch}: {len(prompts)} prompts x "
+    which = f"pair {args.pair}" if args.preset == "demo" else f"preset {args.preset}"
+    print(f"{which} device {args.device} batch {args.batch}: {len(prompts)} prompts x "
           f"{args.max_tokens} tokens; {same}")
     print(f"target only   {b['tokens_per_s']:9.1f} tok/s")
     print(f"with drafter  {s['tokens_per_s']:9.1f} tok/s   speedup {speedup:.2f}x   mean AL "
