@@ -429,8 +429,11 @@ def render_chat(messages: list[ChatMessage], template: str | None, special: dict
 
         from jinja2.exceptions import TemplateError
 
+        class Refused(TemplateError):
+            """The template's own refusal of the conversation (not a fault of a client's variable)."""
+
         def raise_exception(message: str):      # (Hugging Face's templates call it to refuse a conversation)
-            raise TemplateError(message)
+            raise Refused(message)
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         try:
@@ -440,7 +443,8 @@ def render_chat(messages: list[ChatMessage], template: str | None, special: dict
                 add_generation_prompt=add_generation_prompt)
         except Exception as e:      # (a template that refuses these messages, or chokes on a client's variable)
             raise APIError(400, f"the chat template could not render this request: {type(e).__name__}: {e}",
-                           param="chat_template_kwargs" if template_kwargs else "messages") from None
+                           param="chat_template_kwargs" if template_kwargs and not isinstance(e, Refused)
+                           else "messages") from None
     if continue_final_message:
         end = text.rfind(contents[-1])
         if end < 0:

@@ -722,6 +722,10 @@ def test_template_variables_from_the_request_and_templates_that_fail_on_them():
     with pytest.raises(APIError) as e:
         render_chat(said[1:], strict, {})
     assert (e.value.status, e.value.param) == (400, "messages") and "start with the user" in e.value.message
+    # ... and it is the messages that it refused, whatever variables came with them.
+    with pytest.raises(APIError) as e:
+        render_chat(said[1:], strict, {}, template_kwargs={"enable_thinking": True})
+    assert (e.value.status, e.value.param) == (400, "messages") and "start with the user" in e.value.message
     # The plain default (no template) leaves the generation prompt out alike.
     assert render_chat(said, None, {}, add_generation_prompt=False)[0] == "user: q\nassistant: a\n"
     assert render_chat(said, None, {}, add_generation_prompt=False, continue_final_message=True)[0] == \
