@@ -107,7 +107,7 @@ def build_engine(config: EngineConfig, allocate: BufferAllocator | None = None,
     """Load the target, decide the KV layout, size the pools and assemble an engine; ``speculator`` loads the
     drafter (required when ``config.draft`` is set); ``tp``: this rank's shard of a tensor-parallel group."""
     _require_speculator(config, speculator)
-    dtype = parse_dtype(config.dtype)
+    dtype = parse_dtype(config.dtype, "model dtype")
     if dtype == torch.float8_e4m3fn:
         raise ValueError("the model dtype cannot be fp8; use kv_cache_dtype for an FP8 KV cache")
     if not Path(config.model).is_dir():

@@ -17,15 +17,16 @@ DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8"
                  "fp8_e4m3": "float8_e4m3fn", "half": "float16", "float": "float32"}
 
 
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """Map a user-facing dtype name (``bf16``, ``fp8``, ``float32`` ...) to a torch dtype."""
+def parse_dtype(name: str | torch.dtype, what: str = "KV cache dtype") -> torch.dtype:
+    """Map a user-facing dtype name (``bf16``, ``fp8``, ``float32`` ...) to a torch dtype; ``what`` names the
+    setting in the error."""
     if isinstance(name, torch.dtype):
         if name not in DTYPES.values():
-            raise ValueError(f"unsupported KV cache dtype {name}; choose one of {sorted(DTYPES)}")
+            raise ValueError(f"unsupported {what} {name}; choose one of {sorted(DTYPES)}")
         return name
     key = DTYPE_ALIASES.get(name, name)
     if key not in DTYPES:
-        raise ValueError(f"unknown KV cache dtype {name!r}; choose one of {sorted(DTYPES) + sorted(DTYPE_ALIASES)}")
+        raise ValueError(f"unknown {what} {name!r}; choose one of {sorted(DTYPES) + sorted(DTYPE_ALIASES)}")
     return DTYPES[key]
 
 

@@ -102,6 +102,18 @@ def test_cli_reports_bad_input_clearly(tmp_path):
     assert done.returncode == 2 and "does not exist" in done.stderr
 
 
+@pytest.mark.parametrize("settings, message", [
+    (dict(dtype="int8"), "unknown model dtype 'int8'"),
+    (dict(dtype="fp8"), "the model dtype cannot be fp8"),
+    (dict(kv_cache_dtype="int8"), "unknown KV cache dtype 'int8'"),
+])
+def test_a_bad_dtype_names_its_setting(tiny_target, settings, message):
+    from engine import EngineConfig, build_engine
+
+    with pytest.raises(ValueError, match=message):
+        build_engine(EngineConfig(model=str(tiny_target), **settings))
+
+
 def test_engine_alone_refuses_a_draft_it_cannot_load(tiny_target, tmp_path):
     """The engine loads no drafter: ``draft`` without a speculator factory is an error, never target-only."""
     from engine import EngineConfig, build_engine
