@@ -277,11 +277,16 @@ def parse_service_config(data: dict | None, where: str = "") -> ServiceConfig:
 
 def load_config_file(path: str | Path) -> tuple[ServiceConfig, HttpSettings]:
     """A Serve config YAML (``applications[0].args`` and ``http_options``) or a bare ServiceConfig YAML."""
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     if "applications" in data:
         apps = data["applications"] or []
+        if not isinstance(apps, list) or not all(isinstance(a, dict) for a in apps):
+            raise ConfigError(f"{path}: applications must be a list of mappings")
         ours = [a for a in apps if a.get("import_path") == APP_IMPORT_PATH]
         if len(ours) != 1:
             raise ConfigError(f"{path}: expected one application with import_path {APP_IMPORT_PATH}")

@@ -117,6 +117,22 @@ def test_cli_up_with_a_bad_config_exits_2_naming_the_field(tmp_path, capsys):
     assert "decode.max_ongoing_requests" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text, message", [
+    ("applications: [\n", "not valid YAML"),
+    ("- a list\n", "expected a mapping at the top level"),
+    ("applications: [just-a-name]\n", "applications must be a list of mappings"),
+    ("applications: {name: dflash}\n", "applications must be a list of mappings"),
+])
+def test_cli_up_with_a_file_that_is_no_config_exits_2_saying_why(tmp_path, capsys, text, message):
+    from serve_app.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    assert main(["up", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
 def test_cli_up_refuses_a_port_in_use_before_starting_anything(capsys, monkeypatch):
     """As when a killed service's HAProxy still holds the port: a clear error at once, no Ray cluster started."""
     import socket
