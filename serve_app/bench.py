@@ -236,7 +236,16 @@ def bench(args: argparse.Namespace) -> dict:
     """Run one load test; returns the summary dict (what ``--json`` writes)."""
     import httpx
 
-    model = args.model or httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    if args.num_requests < 1 or args.input_len < 1 or args.output_len < 1 or args.client_processes < 1:
+        raise ValueError("--num-requests, --input-len, --output-len and --client-processes must be >= 1")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be >= 1 (leave it out for no limit)")
+    try:      # the server is there before any load starts, or the run stops with one line saying why
+        models = httpx.get(f"{args.url}/v1/models", timeout=30)
+        models.raise_for_status()
+    except httpx.HTTPError as e:
+        raise ValueError(f"no OpenAI-compatible server answers at {args.url}: {type(e).__name__}: {e}") from None
+    model = args.model or models.json()["data"][0]["id"]
     prompts = _prompts(args)
     before = _spec_counters(args.url)
     results, duration = _run_all(args, model, prompts)

@@ -835,6 +835,22 @@ def test_the_bench_client_takes_acceptance_from_the_responses_usage(server):
     assert (spec["num_drafts"], spec["accepted_tokens"]) == (after[0] - before[0], after[1] - before[1])
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--url", "http://127.0.0.1:9"], "no OpenAI-compatible server answers at http://127.0.0.1:9"),
+    (["--url", "127.0.0.1:8000"], "no OpenAI-compatible server answers at 127.0.0.1:8000"),
+    (["--num-requests", "0"], "--num-requests"),
+    (["--max-concurrency", "0"], "--max-concurrency must be >= 1"),
+])
+def test_the_bench_client_without_a_server_or_with_bad_numbers_exits_2_saying_why(argv, message, capsys):
+    """Before any load: no server at the URL (nothing listens on port 9) or a count below 1 is one line and exit
+    status 2, not a traceback."""
+    from serve_app.cli import main
+
+    assert main(["bench", "--no-progress", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
 def test_the_bench_clients_sse_reader_keeps_split_lines_whole():
     """The load client reads SSE from raw network reads: a line split across reads is parsed once whole, CRLF and
     LF both end lines, ``[DONE]`` and non-data lines are skipped, and what has no line end yet waits."""
