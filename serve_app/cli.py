@@ -50,9 +50,19 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def _read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt or [])
     if args.prompt_file:
-        for line in Path(args.prompt_file).read_text().splitlines():
-            if line.strip():
-                prompts.append(json.loads(line)["prompt"] if line.lstrip().startswith("{") else line)
+        for number, line in enumerate(Path(args.prompt_file).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            if not line.lstrip().startswith("{"):
+                prompts.append(line)
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{args.prompt_file}:{number}: a line starting with '{{' must be JSON: {e}") from None
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                raise ValueError(f"{args.prompt_file}:{number}: a JSON line needs a string 'prompt'")
+            prompts.append(record["prompt"])
     if not prompts:
         raise SystemExit("error: give at least one --prompt or a --prompt-file")
     return prompts

@@ -114,6 +114,20 @@ def test_a_bad_dtype_names_its_setting(tiny_target, settings, message):
         build_engine(EngineConfig(model=str(tiny_target), **settings))
 
 
+@pytest.mark.parametrize("lines, message", [
+    ('plain\n{"text": "x"}\n', "p.jsonl:2: a JSON line needs a string 'prompt'"),
+    ('{"prompt": 3}\n', "p.jsonl:1: a JSON line needs a string 'prompt'"),
+    ("{not json\n", "p.jsonl:1: a line starting with '{' must be JSON"),
+])
+def test_cli_names_the_bad_line_of_a_prompt_file(tmp_path, capsys, lines, message):
+    from serve_app.cli import main
+
+    (tmp_path / "p.jsonl").write_text(lines)
+    assert main(["generate", "--prompt-file", str(tmp_path / "p.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
+
+
 def test_engine_alone_refuses_a_draft_it_cannot_load(tiny_target, tmp_path):
     """The engine loads no drafter: ``draft`` without a speculator factory is an error, never target-only."""
     from engine import EngineConfig, build_engine
