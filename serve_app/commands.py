@@ -38,6 +38,8 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args: Callable[
 
 
 def _service_from_args(args: argparse.Namespace):
+    from pydantic import ValidationError
+
     from serve_app.config import LOCAL_DEFAULT_CONFIG, HttpSettings, load_config_file, parse_service_config
 
     if args.config:
@@ -57,9 +59,12 @@ def _service_from_args(args: argparse.Namespace):
     if args.no_draft:
         data["model"]["draft"] = None
     service = parse_service_config(data)
-    host = args.host or http.host
-    port = args.port if args.port is not None else http.port
-    return service, host, port
+    try:      # the command line's --host / --port meet the config's own rules
+        http = HttpSettings(host=args.host or http.host, port=args.port if args.port is not None else http.port)
+    except ValidationError as e:
+        raise ValueError("; ".join(f"--{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) \
+            from None
+    return service, http.host, http.port
 
 
 def _check_checkpoints(service) -> None:

@@ -133,6 +133,15 @@ def test_cli_up_with_a_file_that_is_no_config_exits_2_saying_why(tmp_path, capsy
     assert err.startswith("error: ") and message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("port", ["70000", "-1"])
+def test_cli_up_refuses_a_port_out_of_range_naming_the_flag(capsys, port):
+    from serve_app.cli import main
+
+    assert main(["up", "--port", port]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --port: ") and "Traceback" not in err
+
+
 def test_cli_up_refuses_a_port_in_use_before_starting_anything(capsys, monkeypatch):
     """As when a killed service's HAProxy still holds the port: a clear error at once, no Ray cluster started."""
     import socket
