@@ -102,6 +102,20 @@ def _require_speculator(config: EngineConfig, speculator: SpeculatorFactory | No
                          "(a SpeculatorFactory)")
 
 
+def _require_device(device: str) -> None:
+    """A device this process can use, or a ValueError saying why not (before any weights load)."""
+    try:
+        where = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is not a torch device: {e}") from None
+    if where.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: no CUDA device is usable here (torch {torch.__version__}, "
+                             f"CUDA build {torch.version.cuda or 'none'})")
+        if where.index is not None and where.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: this process sees {torch.cuda.device_count()} CUDA device(s)")
+
+
 def build_engine(config: EngineConfig, allocate: BufferAllocator | None = None,
                  speculator: SpeculatorFactory | None = None, tp: TensorParallel | None = None) -> LLMEngine:
     """Load the target, decide the KV layout, size the pools and assemble an engine; ``speculator`` loads the
@@ -110,6 +124,7 @@ def build_engine(config: EngineConfig, allocate: BufferAllocator | None = None,
     dtype = parse_dtype(config.dtype, "model dtype")
     if dtype == torch.float8_e4m3fn:
         raise ValueError("the model dtype cannot be fp8; use kv_cache_dtype for an FP8 KV cache")
+    _require_device(config.device)
     if not Path(config.model).is_dir():
         raise CheckpointError(f"model directory {config.model!r} does not exist")
     model = Qwen3Model.from_pretrained(config.model, device=config.device, dtype=dtype, tp=tp)

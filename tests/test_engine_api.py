@@ -106,8 +106,10 @@ def test_cli_reports_bad_input_clearly(tmp_path):
     (dict(dtype="int8"), "unknown model dtype 'int8'"),
     (dict(dtype="fp8"), "the model dtype cannot be fp8"),
     (dict(kv_cache_dtype="int8"), "unknown KV cache dtype 'int8'"),
+    (dict(device="foo"), "device 'foo' is not a torch device"),
+    (dict(device="cuda:99"), "device 'cuda:99': "),     # no CUDA here, or not 100 devices on a GPU host
 ])
-def test_a_bad_dtype_names_its_setting(tiny_target, settings, message):
+def test_a_bad_dtype_or_device_names_its_setting(tiny_target, settings, message):
     from engine import EngineConfig, build_engine
 
     with pytest.raises(ValueError, match=message):
