@@ -104,6 +104,22 @@ PRESETS = {
         drafter_lr=2e-3, drafter_warmup_steps=100,
         num_eval_prompts=64, eval_new_tokens=128,
     ),
+    # A target big enough that a decode step is bound by the GPU rather than the host (1.76B parameters, 7 GB in
+    # float32: Qwen3-1.7B's shape with an MLP of 8192), for measuring speedup / AL on the GPU. Sized for one call of
+    # about six minutes: far from trained (a few million tokens), which speed measurements do not need. Not yet
+    # run on a GPU (models/demo/TRAINING.md has the command and what was checked).
+    "gpu": Preset(
+        name="gpu", vocab_size=4096, max_train_chars=None,
+        hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=8192,
+        seq_len=1024, batch_size=6, max_steps=2000, time_budget_s=60.0, lr=6e-4, warmup_steps=30,
+        eval_every=10_000, eval_windows=64,
+        block_size=8, num_draft_layers=2, target_layer_ids=(1, 13, 25),
+        distill_seq_len=384, distill_prompt_lens=(64, 128), distill_max_sequences=4096,
+        distill_gen_batch=256, distill_time_budget_s=25.0,
+        drafter_batch=16, anchors_per_seq=32, drafter_max_steps=4000, drafter_time_budget_s=60.0,
+        drafter_lr=6e-4, drafter_warmup_steps=30,
+        num_eval_prompts=8, eval_new_tokens=64,
+    ),
     # Proves the pipeline end to end on a 2-core CPU in about a minute; its numbers mean nothing.
     "smoke": Preset(
         name="smoke", vocab_size=512, max_train_chars=1_500_000,

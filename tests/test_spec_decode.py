@@ -811,3 +811,24 @@ def test_a_step_that_fails_after_a_request_ended_in_it_returns_that_requests_pag
     assert again.token_ids == LLM(tiny_target, page_size=4).generate(
         [list(range(20, 33))], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
     assert engine.kv.pages_in_use() == 0
+
+
+@pytest.mark.parametrize("name", ["demo", "gpu", "smoke"])
+def test_each_training_preset_builds_a_consistent_pair(name):
+    """A preset's target and drafter build (on the meta device: no memory, even for the 1.76B ``gpu`` target),
+    the drafter reads existing target layers short of the last (whose Hugging Face hidden state is the final
+    norm's output), and the drafter shares the target's widths."""
+    from spec_decode import training as T
+
+    preset = T.PRESETS[name]
+    assert preset.name == name and preset.num_heads % preset.num_kv_heads == 0 and preset.block_size >= 2
+    assert all(0 <= i < preset.num_layers - 1 for i in preset.target_layer_ids)
+    assert list(preset.target_layer_ids) == sorted(set(preset.target_layer_ids))
+    with torch.device("meta"):
+        target = T.make_target(preset, preset.vocab_size, eos_id=0)
+        drafter = DFlashDrafter.initialized(T.drafter_config(preset, preset.vocab_size, mask_token_id=1))
+    assert len(target.model.layers) == preset.num_layers
+    assert target.config.hidden_size == drafter.config.hidden_size == preset.hidden_size
+    params = sum(p.numel() for p in target.parameters())
+    if name == "gpu":      # the size its comment promises: big enough that a GPU step is bound by the GPU
+        assert 1.7e9 < params < 1.8e9
