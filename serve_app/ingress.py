@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP ingress (FastAPI on Ray Serve): validation, tokenization, SSE, errors, /metrics.
 
-A request's path: the guard checks the API key and the body size (401/413), pydantic checks the body (422),
+A request's path: the guard checks the API key and the body size (401/413), pydantic checks the body (400, as OpenAI and vLLM answer it),
 the ingress checks values and model (400/404), admits the request's choices (429 above the in-flight limit),
 tokenizes off the event loop, checks the context (400), and asks the ``Router`` for each choice's chunk
 stream; replicas report errors as chunks, which become HTTP errors before the first byte is sent, or a final
@@ -109,7 +109,9 @@ async def _schema_error(request: Request, e: RequestValidationError) -> JSONResp
     # pydantic's messages name the field and the rule, never the value sent.
     message = "; ".join(f"{'.'.join(str(p) for p in err['loc'] if p != 'body') or 'body'}: {err['msg']}"
                         for err in errors)
-    return _error_response(APIError(422, message, "invalid_request_error", param, "schema_violation"))
+    # 400, not FastAPI's 422: OpenAI's API and vLLM answer a malformed body so, and OpenAI's SDKs raise their
+    # BadRequestError for it, which a client written against them catches.
+    return _error_response(APIError(400, message, "invalid_request_error", param, "schema_violation"))
 
 
 @api.exception_handler(StarletteHTTPException)
