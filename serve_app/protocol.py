@@ -7,7 +7,7 @@ import secrets
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from engine.sequence import SamplingParams
 
@@ -101,6 +101,16 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        # An image or audio part would otherwise be refused as "not a string; type should be 'text'".
+        for i, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type", "text") if isinstance(part, dict) else None
+            if kind != "text" and isinstance(kind, str):
+                raise ValueError(f"part {i} has type {kind!r}: this model reads text only ('text' parts)")
+        return content
 
     @property
     def text(self) -> str:

@@ -140,6 +140,15 @@ def test_values_of_the_wrong_json_type_are_refused_not_coerced(ingress, path, fi
     assert assert_error(r, 400)["param"].split(".")[0] == field
 
 
+@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+                                  {"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav"}}])
+def test_a_content_part_other_than_text_is_refused_by_its_type(ingress, part):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, part]}]
+    error = assert_error(ingress.client.post("/v1/chat/completions", json={**CHAT, "messages": messages}), 400,
+                         "messages.0.content")
+    assert f"part 1 has type {part['type']!r}" in error["message"] and error["code"] == "schema_violation"
+
+
 @pytest.mark.parametrize("path,fields", [
     ("/v1/completions", ["temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", "echo",
                          "max_tokens", "top_k", "min_tokens", "ignore_eos", "repetition_penalty"]),
