@@ -45,8 +45,9 @@ from serve_app.metrics import HubClient, ServiceMetrics
 from serve_app.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                 ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
                                 ChatTokenLogprob, CompletionChoice, CompletionChunk, CompletionLogprobs,
-                                CompletionRequest, CompletionResponse, PromptTokensDetails, SpecDecodeUsage,
-                                TopLogprob, Usage, check_text, max_tokens_field, render_chat, sampling_params)
+                                CompletionRequest, CompletionResponse, PromptTokensDetails, RunningUsage,
+                                SpecDecodeUsage, TopLogprob, Usage, check_text, max_tokens_field, render_chat,
+                                sampling_params)
 from serve_app.router import Router, unavailable
 
 log = logging.getLogger("dflash.ingress")
@@ -830,6 +831,14 @@ class Ingress:
         exclude = None if body.include_usage else {"usage"}
         return format_sse_event(data_str=chunk.model_dump_json(exclude=exclude))
 
+    @staticmethod
+    def _running_usage(body, c: Choice) -> RunningUsage | None:
+        """The choice's tokens so far, on each of its chunks when asked (vLLM's ``continuous_usage_stats``)."""
+        if not body.continuous_usage:
+            return None
+        return RunningUsage(prompt_tokens=len(c.prompt_ids), completion_tokens=len(c.token_ids),
+                            total_tokens=len(c.prompt_ids) + len(c.token_ids))
+
     def _choice_event(self, c: Choice, chat: bool, text: str, first: bool, token_ids: bool = False):
         finish = c.finish_reason if c.done else None
         ids = None
@@ -858,7 +867,8 @@ class Ingress:
         try:
             for c, chunk in zip(choices, firsts):
                 yield self._event(body, request_id, chat,
-                                  [self._choice_event(c, chat, c.delta(), True, body.return_token_ids)])
+                                  [self._choice_event(c, chat, c.delta(), True, body.return_token_ids)],
+                                  self._running_usage(body, c))
             tasks = [asyncio.create_task(pump(c)) for c in choices if not c.done]
             remaining = len(tasks)
             while remaining:
@@ -872,7 +882,8 @@ class Ingress:
                 text = c.delta()
                 if text or c.done or len(c.logprobs) > c.logprobs_sent:
                     yield self._event(body, request_id, chat,
-                                      [self._choice_event(c, chat, text, False, body.return_token_ids)])
+                                      [self._choice_event(c, chat, text, False, body.return_token_ids)],
+                                      self._running_usage(body, c))
             if body.include_usage:
                 yield self._event(body, request_id, chat, [], self._usage(body, choices))
             yield format_sse_event(data_str="[DONE]")

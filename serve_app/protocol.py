@@ -33,6 +33,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False    # extra (vLLM): with include_usage, every chunk has the usage so far
 
 
 class _SamplingFields(BaseModel):
@@ -77,6 +78,10 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingFields):
@@ -165,6 +170,14 @@ class SpecDecodeUsage(_Out):
 
 class PromptTokensDetails(_Out):
     cached_tokens: int
+
+
+class RunningUsage(_Out):
+    """A choice's usage so far, on each of its chunks (``continuous_usage_stats``); the last chunk has ``Usage``."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
 
 
 class Usage(_Out):
@@ -265,7 +278,7 @@ class CompletionChunk(_Out):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
+    usage: Usage | RunningUsage | None = None
 
 
 class ChatCompletionChunk(_Out):
@@ -274,7 +287,7 @@ class ChatCompletionChunk(_Out):
     created: int
     model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
+    usage: Usage | RunningUsage | None = None
 
 
 MAX_N = 16

@@ -146,6 +146,41 @@ def test_stop_strings_cut_the_text_as_offline_and_the_early_first_token_agrees(c
         assert (text, reason) == (expected.text, "stop")
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_puts_each_choices_tokens_so_far_on_its_chunks(server, path):
+    """vLLM's ``stream_options.continuous_usage_stats``: every choice chunk carries that choice's usage so far
+    (its prompt, the tokens sent up to and with this chunk), the last chunk the whole usage; without it only the
+    last chunk has usage, and without include_usage none does."""
+    prompt = {"messages": [{"role": "user", "content": "count"}]} if "chat" in path else {"prompt": [5, 6, 7]}
+    body = {"model": "tiny", **prompt, "max_tokens": 7, "n": 2, "temperature": 1.0, "seed": 3, "stream": True,
+            "ignore_eos": True, "return_token_ids": True}
+
+    def events(stream_options):
+        r = httpx.post(f"{server}{path}", json={**body, "stream_options": stream_options}, timeout=60)
+        assert r.status_code == 200, r.text
+        return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+    got = events({"include_usage": True, "continuous_usage_stats": True})
+    final = got[-1]["usage"]
+    assert got[-1]["choices"] == [] and final["completion_tokens"] == 14 and "spec_decode" in final
+    sent, counted = {0: 0, 1: 0}, {0: [], 1: []}
+    for event in got[:-1]:
+        (choice,) = event["choices"]
+        sent[choice["index"]] += len(choice["token_ids"])
+        usage = event["usage"]
+        assert set(usage) == {"prompt_tokens", "completion_tokens", "total_tokens"}, usage
+        # (a token whose text is not whole yet is counted before its chunk goes out)
+        assert usage["completion_tokens"] >= sent[choice["index"]], (event, sent)
+        assert usage["prompt_tokens"] == final["prompt_tokens"]       # (one prompt, counted once)
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        counted[choice["index"]].append(usage["completion_tokens"])
+    assert sent == {0: 7, 1: 7}
+    assert all(c == sorted(c) and c[-1] == 7 and len(set(c)) > 1 for c in counted.values()), counted
+    plain = events({"include_usage": True})
+    assert all(e["usage"] is None for e in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 14
+    assert all("usage" not in e for e in events({"include_usage": False, "continuous_usage_stats": True}))
+
+
 def test_sse_stream_ends_with_done_and_token_id_prompts_work(server):
     body = {"model": "tiny", "prompt": [5, 6, 7, 8, 9], "max_tokens": 5, "temperature": 0, "stream": True,
             "ignore_eos": True}
@@ -544,7 +579,8 @@ def body_strategy():
         "top_k": st.one_of(st.integers(-5, -2), big, junk), "n": st.one_of(st.integers(-1, 0), st.just(10 ** 6), junk),
         "seed": st.one_of(big, junk), "stop": st.one_of(text, st.lists(text, max_size=6), junk),
         "stream": junk, "ignore_eos": junk, "stream_options": st.one_of(st.fixed_dictionaries(
-            {"include_usage": st.booleans()}), junk),
+            {"include_usage": st.booleans()}, optional={"continuous_usage_stats": st.one_of(st.booleans(), junk)}),
+            junk),
         "logprobs": st.one_of(st.integers(-2, 25), st.booleans(), junk), "top_logprobs": st.one_of(st.integers(-2, 25), junk),
         "echo": st.one_of(st.booleans(), junk), "best_of": st.one_of(st.integers(-1, 3), junk),
         "logit_bias": st.one_of(st.dictionaries(st.one_of(st.text(max_size=4), st.integers(-5, 200).map(str)),
